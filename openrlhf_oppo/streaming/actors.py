@@ -1,0 +1,106 @@
+"""Upstream's reward, reference, critic and policy actors, able to score streamed chunks.
+
+Each subclass adds ``oppo_prefill`` (called by the rollout actors with a batch of chunks) on top of a
+``ChunkScorer`` over the actor's own model, and nothing else changes: upstream's ``forward`` still
+serves whatever was not streamed. The critic and the policy train every step, so their ``fit`` bumps
+the scorer's weight version: sequences still streaming re-prefill under the new weights, and results
+computed with old weights are recomputed by the experience maker.
+"""
+
+import ray
+import torch
+from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor
+from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+from openrlhf.trainer.ray.ppo_critic import CriticModelActor
+
+from openrlhf_oppo.streaming.scorer import ChunkScorer, unwrap_model
+from openrlhf_oppo.trace import Tracer
+
+
+class StreamingScorerMixin:
+    """``oppo_*`` methods shared by the scoring actors. Subclasses name their model and output kind."""
+
+    oppo_kind: str
+    oppo_scorer: ChunkScorer = None
+
+    def oppo_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def oppo_setup(self, cache_budget_bytes: int, temperature: float, trace: bool = False) -> str:
+        """Build the scorer (after ``init_model_from_pretrained``). Returns the device it runs on."""
+        self.oppo_scorer = ChunkScorer(
+            unwrap_model(self.oppo_model()),
+            self.oppo_kind,
+            cache_budget_bytes=cache_budget_bytes,
+            temperature=temperature,
+        )
+        self.oppo_tracer = Tracer(enabled=trace, process=f"{self.oppo_kind} scorer")
+        gpu_ids = ray.get_gpu_ids()
+        return f"{ray.get_runtime_context().get_node_id()}:{gpu_ids[0] if gpu_ids else 'cpu'}"
+
+    def oppo_prefill(self, chunks):
+        module = self.oppo_scorer.model
+        was_training = module.training
+        module.eval()
+        try:
+            with self.oppo_tracer.span("prefill", track=self.oppo_kind, chunks=len(chunks)):
+                return self.oppo_scorer.process(chunks)
+        finally:
+            module.train(was_training)
+
+    def oppo_version(self) -> int:
+        return self.oppo_scorer.version
+
+    def oppo_stats(self) -> dict:
+        """Counters since set-up, and (new tokens, forwards, seconds) of each prefill call since the last."""
+        scorer = self.oppo_scorer
+        return dict(scorer.stats, cached_bytes=scorer.cached_bytes(), calls=scorer.drain_calls())
+
+    def oppo_drain_trace(self) -> list:
+        return self.oppo_tracer.drain()
+
+    def oppo_release(self, uids) -> None:
+        self.oppo_scorer.release(uids)
+
+
+class _TrainableScorerMixin(StreamingScorerMixin):
+    def fit(self, *args, **kwargs):
+        status = super().fit(*args, **kwargs)
+        if self.oppo_scorer is not None:
+            self.oppo_scorer.bump_version()
+        return status
+
+
+class StreamingRewardModelActor(StreamingScorerMixin, RewardModelActor.__ray_actor_class__):
+    oppo_kind = "reward"
+
+    def oppo_model(self):
+        return self.model
+
+
+class StreamingReferenceModelActor(StreamingScorerMixin, ReferenceModelActor.__ray_actor_class__):
+    oppo_kind = "logprob"
+
+    def oppo_model(self):
+        return self.model
+
+
+class StreamingCriticModelActor(_TrainableScorerMixin, CriticModelActor.__ray_actor_class__):
+    oppo_kind = "critic"
+
+    def oppo_model(self):
+        return self.critic
+
+
+class StreamingPolicyModelActor(_TrainableScorerMixin, PolicyModelActor.__ray_actor_class__):
+    oppo_kind = "logprob"
+
+    def oppo_model(self):
+        return self.actor
+
+
+# Upstream declares these with @ray.remote(num_gpus=1); RayActorGroup overrides the GPUs per placement.
+StreamingRewardModelRayActor = ray.remote(num_gpus=1)(StreamingRewardModelActor)
+StreamingReferenceModelRayActor = ray.remote(num_gpus=1)(StreamingReferenceModelActor)
+StreamingCriticModelRayActor = ray.remote(num_gpus=1)(StreamingCriticModelActor)
+StreamingPolicyModelRayActor = ray.remote(num_gpus=1)(StreamingPolicyModelActor)

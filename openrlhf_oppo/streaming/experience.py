@@ -1,0 +1,131 @@
+"""Upstream's experience maker, fed by the streamed scores.
+
+``RemoteExperienceMaker.make_experience`` asks each model group for its outputs with
+``_dispatch_forward`` and reads them back with ``_flatten_results``. For a streamed model we answer
+that call from the scores the rollout returned (one ObjectRef per sequence and model), laid out in the
+tensors upstream's ``forward`` would have returned for the same micro-batch; only micro-batches
+with a sequence that could not be streamed (or was scored by an older critic/policy) go to the model
+the upstream way. KL, reward shaping, GAE and whitening stay upstream's.
+"""
+
+import time
+from typing import Dict, List, Optional
+
+import ray
+import torch
+from openrlhf.trainer.ppo_utils.experience import Experience
+from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+from openrlhf_oppo.streaming.scorer import ScoredSequence
+
+
+class StreamingExperienceMaker(RemoteExperienceMaker):
+    def __init__(self, *args, streamed_models=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.streamed_models = set(streamed_models)
+        self.metrics: Dict[str, float] = {}
+
+    def make_experience_batch(self, rollout_samples: List[Experience]) -> List[Experience]:
+        self._streams = [getattr(sample, "oppo", None) for sample in rollout_samples]
+        self._scored: Dict[str, List[Optional[ScoredSequence]]] = {}
+        self._counts = dict(streamed=0, total=0, fallback_batches=0, batches=0)
+        experiences = super().make_experience_batch(rollout_samples)
+
+        last_tokens = [s["last_token_time"] for s in self._streams if s and s.get("last_token_time")]
+        self.metrics = {
+            "oppo/prefill_hidden_fraction": self._counts["streamed"] / max(self._counts["total"], 1),
+            "oppo/fallback_micro_batches": float(self._counts["fallback_batches"]),
+        }
+        if last_tokens:
+            self.metrics["oppo/last_token_to_experience_s"] = time.time() - max(last_tokens)
+        return experiences
+
+    def make_experience(self, samples_list: List[Experience]) -> List[Experience]:
+        self._samples_list = samples_list
+        return super().make_experience(samples_list)
+
+    def _dispatch_forward(self, group, sync_condition, **kwargs):
+        model = self._model_name(group)
+        if model not in self.streamed_models or not any(s and "scores" in s for s in self._streams):
+            return super()._dispatch_forward(group, sync_condition, **kwargs)
+
+        scored = self._fetch(model, group)
+        outputs, missing = [], []
+        for index, samples in enumerate(self._samples_list):
+            output = self._assemble(model, samples, scored)
+            outputs.append(output)
+            self._counts["batches"] += 1
+            if output is None:
+                missing.append(index)
+        if missing:
+            # Score those micro-batches as upstream does, then slot them in.
+            self._counts["fallback_batches"] += len(missing)
+            subset = {key: [values[i] for i in missing] for key, values in kwargs.items()}
+            refs = _run_forward(group, subset)
+            if sync_condition:
+                ray.get(refs)
+                ray.get(group.async_run_method(method_name="empty_cache"))
+            for index, output in zip(missing, self._flatten_results(refs, 1)):
+                outputs[index] = output
+        return [ray.put(outputs)]
+
+    def _model_name(self, group) -> Optional[str]:
+        names = {
+            "reward": self.reward_model_group,
+            "critic": self.critic_model_group,
+            "ref": self.initial_model_group,
+            "actor": self.actor_model_group,
+        }
+        return next((name for name, g in names.items() if g is not None and g is group), None)
+
+    def _fetch(self, model: str, group) -> List[Optional[ScoredSequence]]:
+        """This model's scores for every rollout sample, or None where it has none valid now."""
+        if model in self._scored:
+            return self._scored[model]
+        refs = {s["scores"][model] for s in self._streams if s and model in s.get("scores", {})}
+        by_ref = dict(zip(refs, ray.get(list(refs))))
+        # A trainable model's result counts only if computed with its current weights.
+        version = ray.get(group.async_run_method(method_name="oppo_version")[0])
+        scored = []
+        for stream in self._streams:
+            result = None
+            if stream and model in stream.get("scores", {}):
+                result = by_ref[stream["scores"][model]].get(stream["uid"])
+                self._counts["total"] += stream["length"]
+                if result is not None and result.output is not None and result.version == version:
+                    self._counts["streamed"] += result.streamed_tokens
+                else:
+                    result = None
+            scored.append(result)
+        self._scored[model] = scored
+        return scored
+
+    def _assemble(self, model: str, samples: Experience, scored) -> Optional[torch.Tensor]:
+        """The tensor upstream's forward returns for this micro-batch, from the streamed scores."""
+        results = [scored[i] for i in samples.index]
+        lengths = samples.attention_mask.sum(dim=1).tolist()
+        if any(r is None or r.length != length for r, length in zip(results, lengths)):
+            return None
+        if model == "reward":
+            return torch.stack([r.output for r in results])
+        first = [int(mask.nonzero()[0]) if mask.any() else -1 for mask in samples.action_mask]
+        if any(f != r.prompt_len - 1 for f, r in zip(first, results)):
+            return None  # the action span does not start after the prompt the stream saw
+        dtype = results[0].output.dtype
+        dense = torch.zeros(samples.action_mask.shape, dtype=dtype)
+        for row, r in enumerate(results):
+            dense[row, r.prompt_len - 1 : r.length - 1] = r.output
+        # As upstream: outputs outside the action span are zeroed by the float mask.
+        return dense * samples.action_mask.float()
+
+
+def _run_forward(group, kwargs) -> List[ray.ObjectRef]:
+    """``forward`` over these micro-batches, spread over the group's ranks even if fewer than the ranks."""
+    count = len(next(iter(kwargs.values())))
+    handlers = group._actor_handlers  # noqa: SLF001 - RayActorGroup exposes no accessor
+    if count >= len(handlers):
+        return group.async_run_method_batch(method_name="forward", **kwargs)
+    return [
+        handlers[i].execute_batch.remote("forward", ray.put({k: v[i : i + 1] for k, v in kwargs.items()}), 0, 1)
+        for i in range(count)
+    ]

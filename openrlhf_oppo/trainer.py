@@ -1,0 +1,218 @@
+"""OPPO's PPO trainer: upstream's ``PPOTrainer`` with OPPO's samples generator and experience maker.
+
+Upstream builds its ``SamplesGenerator`` and ``RemoteExperienceMaker`` inside the trainer actor, so
+they are replaced here, after ``super().__init__``. The rest of the step is upstream's; this class adds
+the set-up of streaming (once the models are loaded), the weight-sync protocol for requests that
+outlive a step, the chunk-size and overcommit controllers, checkpointing of carried prompts, and the
+``oppo/*`` metrics and traces.
+"""
+
+import os
+import time
+
+import ray
+from openrlhf.trainer.ppo_trainer import PPOTrainer
+from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+from openrlhf.utils.logging_utils import init_logger
+
+from openrlhf_oppo.config import describe
+from openrlhf_oppo.overcommit.controller import OvercommitController
+from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
+from openrlhf_oppo.samples import OPPOSamplesGenerator
+from openrlhf_oppo.streaming.chunking import ChunkSizeController
+from openrlhf_oppo.streaming.experience import StreamingExperienceMaker
+from openrlhf_oppo.trace import Tracer, write_trace
+
+logger = init_logger(__name__)
+
+
+class OPPOTrainer(PPOTrainer.__ray_actor_class__):
+    def __init__(
+        self,
+        pretrain,
+        strategy,
+        actor_model_group,
+        critic_model_group,
+        reward_model_group,
+        reference_model_group,
+        vllm_engines,
+        **generate_kwargs,
+    ):
+        super().__init__(
+            pretrain,
+            strategy,
+            actor_model_group,
+            critic_model_group,
+            reward_model_group,
+            reference_model_group,
+            vllm_engines,
+            **generate_kwargs,
+        )
+        oppo = self.args.oppo
+        logger.info(describe(self.args))
+        self.tracer = Tracer(enabled=oppo.trace_dir is not None, process="trainer")
+        self.policy_version = 0
+        self.chunk_controller = ChunkSizeController(fixed=None if oppo.chunk_size == "auto" else oppo.chunk_size)
+        self.scorer_groups = {
+            "reward": reward_model_group,
+            "critic": critic_model_group,
+            "ref": reference_model_group,
+            "actor": actor_model_group,
+        }
+        self.scorer_devices = {}
+        self.samples_generator = self._make_samples_generator(strategy, vllm_engines)
+        if oppo.streamed_models:
+            self.experience_maker = StreamingExperienceMaker(
+                actor_model_group,
+                critic_model_group,
+                reward_model_group,
+                reference_model_group,
+                self.kl_ctl,
+                strategy,
+                self.tokenizer,
+                streamed_models=oppo.streamed_models,
+            )
+
+    def _make_samples_generator(self, strategy, vllm_engines):
+        oppo, args = self.args.oppo, self.args
+        kwargs = dict(
+            strategy=strategy,
+            prompts_dataloader=self.prompts_dataloader,
+            eval_dataloader=self.eval_dataloader,
+            tokenizer=self.tokenizer,
+            vllm_engines=vllm_engines,
+            tracer=self.tracer,
+        )
+        if not oppo.inter_step:
+            return OPPOSamplesGenerator(**kwargs)
+        controller = OvercommitController(
+            initial=oppo.overcommit_initial,
+            auto=oppo.overcommit == "auto",
+            window=oppo.overcommit_window,
+            inc=oppo.overcommit_inc,
+            dec=oppo.overcommit_dec,
+            minimum=oppo.overcommit_min,
+            maximum=oppo.overcommit_max,
+        )
+        return OvercommitSamplesGenerator(
+            **kwargs,
+            controller=controller,
+            max_defer_steps=oppo.max_defer_steps,
+            pause_between_steps=args.train.colocate_all and not args.vllm.enable_sleep,
+        )
+
+    # -- set-up once the models are loaded ----------------------------------------------------
+
+    def fit(self, global_step: int = 0) -> None:
+        self._connect_streaming()
+        super().fit(global_step)
+
+    def _connect_streaming(self) -> None:
+        oppo = self.args.oppo
+        scorers = {}
+        for name in oppo.streamed_models:
+            group = self.scorer_groups[name]
+            devices = ray.get(
+                group.async_run_method(
+                    method_name="oppo_setup",
+                    cache_budget_bytes=int(oppo.cache_budget_gb * 2**30),
+                    temperature=self.args.rollout.temperature,
+                    trace=self.tracer.enabled,
+                )
+            )
+            scorers[name] = group._actor_handlers  # noqa: SLF001 - RayActorGroup exposes no accessor
+            self.scorer_devices[name] = devices
+        ray.get(
+            [
+                engine.oppo_connect.remote(scorers, self.chunk_controller.chunk_size, salt_prompts=oppo.inter_step)
+                for engine in self.vllm_engines
+            ]
+        )
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def train_step(self, rollout_samples, global_step):
+        step_start = time.time()
+        status, global_step = super().train_step(rollout_samples, global_step)
+        self.tracer.add("make_experience", step_start, step_start + status["timing/make_experience"], track="trainer")
+        status.update(self._oppo_metrics(rollout_samples, status))
+        if self.tracer.enabled:
+            self._write_trace(global_step)
+        return status, global_step
+
+    def _oppo_metrics(self, rollout_samples, status) -> dict:
+        metrics = dict(getattr(self.experience_maker, "metrics", {}))
+        metrics.update(getattr(self.samples_generator, "metrics", {}))
+        if isinstance(self.samples_generator, OvercommitSamplesGenerator):
+            self.samples_generator.record_reward(status["rollout/reward_mean"])
+        first_versions = [s.oppo["first_version"] for s in rollout_samples if getattr(s, "oppo", None)]
+        first_versions = [v for v in first_versions if v is not None]
+        if first_versions:
+            # Versions the tokens are behind the policy being trained (0: fully on-policy).
+            lags = [self.policy_version - v for v in first_versions]
+            metrics["oppo/policy_lag_mean"] = sum(lags) / len(lags)
+            metrics["oppo/policy_lag_max"] = float(max(lags))
+        if self.args.oppo.streamed_models:
+            metrics.update(self._update_chunk_size())
+        return metrics
+
+    def _update_chunk_size(self) -> dict:
+        calls_by_device = {}
+        for name in self.args.oppo.streamed_models:
+            stats = ray.get(self.scorer_groups[name].async_run_method(method_name="oppo_stats"))
+            for device, rank_stats in zip(self.scorer_devices[name], stats):
+                calls_by_device.setdefault(device, []).extend(rank_stats["calls"])
+        generation_s = getattr(self.samples_generator, "last_generation_s", 0.0)
+        before = self.chunk_controller.chunk_size
+        after = self.chunk_controller.update(calls_by_device, generation_s)
+        if after != before:
+            ray.get([engine.oppo_set_chunk_size.remote(after) for engine in self.vllm_engines])
+        metrics = {"oppo/chunk_size": float(before)}
+        if self.chunk_controller.utilization:
+            metrics["oppo/scorer_utilization_max"] = max(self.chunk_controller.utilization.values())
+        return metrics
+
+    def ppo_train(self, global_steps):
+        with self.tracer.span("ppo_train", track="trainer"):
+            return super().ppo_train(global_steps)
+
+    def broadcast_to_vllm(self) -> None:
+        """Upstream's weight sync; with requests in flight, paused around it (``--oppo.carry_kv``)."""
+        oppo = self.args.oppo
+        self.policy_version += 1
+        pause = oppo.inter_step and not self.args.vllm.enable_sleep
+        with self.tracer.span("weight_sync", track="trainer"):
+            if pause:
+                batch_vllm_engine_call(self.vllm_engines, "oppo_pause", clear_cache=oppo.carry_kv == "recompute")
+            try:
+                super().broadcast_to_vllm()
+            finally:
+                # A sleeping engine resumes when it wakes up; it only learns the version here.
+                batch_vllm_engine_call(
+                    self.vllm_engines, "oppo_resume", weight_version=self.policy_version, resume=pause
+                )
+
+    # -- checkpoints and traces ---------------------------------------------------------------------
+
+    def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
+        if client_states is not None and isinstance(self.samples_generator, OvercommitSamplesGenerator):
+            client_states["oppo_carry"] = self.samples_generator.state_dict()
+        super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+
+    def init_checkpoint_states(self):
+        states = super().init_checkpoint_states()
+        if "oppo_carry" in states and isinstance(self.samples_generator, OvercommitSamplesGenerator):
+            self.samples_generator.load_state_dict(states["oppo_carry"])
+        return states
+
+    def _write_trace(self, global_step: int) -> None:
+        refs = [engine.oppo_drain_trace.remote() for engine in self.vllm_engines]
+        for name in self.args.oppo.streamed_models:
+            refs += self.scorer_groups[name].async_run_method(method_name="oppo_drain_trace")
+        events = self.tracer.drain()
+        for part in ray.get(refs):
+            events.extend(part)
+        write_trace(os.path.join(self.args.oppo.trace_dir, f"step_{global_step:05d}.json"), events)
+
+
+OPPOPPOTrainer = ray.remote(OPPOTrainer)

@@ -1,0 +1,1 @@
+"""Import shim, NOT flash-attn: see tests/shims/README.md."""

@@ -1,0 +1,123 @@
+"""The wrapper CLI: upstream's flags unchanged, the --oppo group, and clear errors before anything starts."""
+
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+from openrlhf_oppo.cli.train_ppo_ray import parse_args
+from openrlhf_oppo.config import OPPOConfigError
+
+BASE = [
+    "--actor.model_name_or_path", "m",
+    "--reward.model_name_or_path", "m",
+    "--actor.num_gpus_per_node", "2",
+    "--critic.num_gpus_per_node", "2",
+    "--reward.num_gpus_per_node", "2",
+    "--ref.num_gpus_per_node", "2",
+    "--vllm.num_engines", "1",
+    "--rollout.batch_size", "16",
+]  # fmt: skip
+
+
+class _Captured(Exception):
+    pass
+
+
+def upstream_args(argv, monkeypatch):
+    """What upstream's own driver hands to ``train`` (stopped at its first line that touches Ray)."""
+    import openrlhf.utils
+    import ray
+
+    def capture(args):
+        raise _Captured(args)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(openrlhf.utils, "get_strategy", capture)
+    monkeypatch.setattr(sys, "argv", ["train_ppo_ray"] + argv)
+    with pytest.raises(_Captured) as captured:
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    return captured.value.args[0]
+
+
+def as_dict(namespace):
+    return {k: as_dict(v) if hasattr(v, "__dict__") else v for k, v in vars(namespace).items()}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--train.colocate_all", "--vllm.enable_sleep", "--algo.advantage.estimator", "group_norm"]],
+    ids=["default", "colocated-grpo"],
+)
+def test_without_oppo_flags_args_are_upstreams(extra, monkeypatch):
+    ours = as_dict(parse_args(BASE + extra + ["--rollout.n_samples_per_prompt", "2"]))
+    theirs = as_dict(upstream_args(BASE + extra + ["--rollout.n_samples_per_prompt", "2"], monkeypatch))
+    ours.pop("bench")
+    assert ours.pop("oppo")["enable"] is False
+    assert ours == theirs
+
+
+def test_help_lists_every_oppo_option():
+    from openrlhf_oppo.config import OPTIONS
+
+    out = subprocess.run(
+        [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "OPPO (pipeline overlap)" in out and "--actor.model_name_or_path" in out
+    for name in OPTIONS:
+        assert f"--oppo.{name}" in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--oppo.chunk_size", "32"], "given without --oppo.enable"),
+        (["--oppo.enable", "--train.async_enable"], "--train.async_enable is not supported"),
+        (["--oppo.enable", "--ds.zero_stage", "3"], "--ds.zero_stage 3"),
+        (["--oppo.enable", "--ds.lora.rank", "8"], "--ds.lora.rank"),
+        (["--oppo.enable", "--train.colocate_all", "--vllm.enable_sleep", "--oppo.carry_kv", "keep"], "carry_kv"),
+        (["--oppo.enable", "--oppo.overcommit_min", "5", "--oppo.overcommit_max", "2"], "overcommit_min"),
+        (["--oppo.colocate_models", "--train.colocate_all"], "two different placements"),
+        (["--oppo.colocate_models", "--ref.num_gpus_per_node", "1"], "--ref.num_nodes"),
+    ],
+)
+def test_bad_combinations_are_refused_with_what_to_do(extra, message):
+    with pytest.raises(OPPOConfigError, match=message.replace(".", r"\.")):
+        parse_args(BASE + extra)
+
+
+@pytest.mark.parametrize("flag, value", [("chunk_size", "0"), ("chunk_size", "big"), ("overcommit", "-1")])
+def test_bad_values_are_refused_by_the_parser(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--oppo.enable", f"--oppo.{flag}", value])
+    assert f"--oppo.{flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, streamed",
+    [
+        ([], ["reward", "critic", "ref", "actor"]),
+        (["--train.colocate_all"], []),  # auto: off where vLLM shares the GPUs
+        (["--train.colocate_all", "--oppo.intra_step", "on"], ["reward", "critic", "ref"]),
+        (["--reward.remote_url", "http://localhost:1/rm"], ["critic", "ref", "actor"]),
+        (["--algo.advantage.estimator", "reinforce", "--algo.kl.init_coef", "0"], ["reward", "actor"]),
+        (["--oppo.intra_step", "off"], []),
+    ],
+)
+def test_which_models_stream(extra, streamed):
+    args = parse_args(BASE + ["--oppo.enable"] + extra)
+    assert args.oppo.streamed_models == streamed
+
+
+def test_overcommit_defaults_follow_the_batch_size():
+    args = parse_args(BASE + ["--oppo.enable"])
+    assert args.oppo.inter_step and args.oppo.overcommit == "auto"
+    assert (args.oppo.overcommit_initial, args.oppo.overcommit_max) == (2, 4)  # B/8 and B/4 for B=16
+    assert not parse_args(BASE + ["--oppo.enable", "--oppo.overcommit", "0"]).oppo.inter_step
+
+
+def test_colocate_models_without_oppo_marks_models_colocated():
+    args = parse_args(BASE + ["--oppo.colocate_models"])
+    assert args.oppo.colocate_models and not args.oppo.enable
+    assert args.train.colocate_actor_ref and args.train.colocate_critic_reward

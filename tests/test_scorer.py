@@ -1,0 +1,156 @@
+"""ChunkScorer against upstream's full forward (float32, CPU): rewards, values and log-probs to 1e-5."""
+
+import random
+
+import pytest
+import torch
+
+from openrlhf_oppo.streaming.scorer import Chunk, ChunkScorer
+
+TOLERANCE = 1e-5
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    from openrlhf.models import Actor, get_llm_for_sequence_regression
+
+    def value_model(kind):
+        model = get_llm_for_sequence_regression(
+            checkpoints["reward"], kind, param_dtype="bf16", attn_implementation="sdpa", normalize_reward=True
+        )
+        model.mean[0], model.std[0] = 0.3, 2.0  # exercise upstream's normalisation too
+        return model.float().eval()
+
+    actor = Actor(checkpoints["actor"], attn_implementation="sdpa", param_dtype="bf16", temperature=TEMPERATURE)
+    actor.model.float().eval()
+    return dict(reward=value_model("reward"), critic=value_model("critic"), actor=actor)
+
+
+def make_batch(seed=0, count=7):
+    """Prompts of 3..12 tokens, responses of mixed lengths (1 token to past several chunks)."""
+    rng = random.Random(seed)
+    sequences = []
+    for _ in range(count):
+        prompt_len = rng.randint(3, 12)
+        response_len = rng.choice([1, 2, 5, 17, 40, 64, 70])
+        sequences.append((prompt_len, [rng.randint(1, 2000) for _ in range(prompt_len + response_len)]))
+    width = max(len(tokens) for _, tokens in sequences)
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)  # right padding, as upstream batches
+    attention_mask = torch.zeros_like(input_ids)
+    action_mask = torch.zeros(len(sequences), width - 1)
+    for row, (prompt_len, tokens) in enumerate(sequences):
+        input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        attention_mask[row, : len(tokens)] = 1
+        action_mask[row, prompt_len - 1 : len(tokens) - 1] = 1
+    return sequences, input_ids, attention_mask, action_mask
+
+
+@torch.no_grad()
+def upstream_outputs(models, input_ids, attention_mask, action_mask):
+    return dict(
+        reward=models["reward"](input_ids, attention_mask, pad_sequence=True),
+        critic=models["critic"](input_ids, action_mask, attention_mask),
+        logprob=models["actor"](input_ids, action_mask, attention_mask),
+    )
+
+
+def stream(scorer, sequences, chunk_size):
+    """Feed every sequence in chunks of ``chunk_size`` new tokens (the first one also holds the prompt)."""
+    results, sent = {}, [0] * len(sequences)
+    while any(s is not None for s in sent):
+        chunks = []
+        for i, (prompt_len, tokens) in enumerate(sequences):
+            if sent[i] is None:
+                continue
+            end = min(len(tokens), (sent[i] or prompt_len) + chunk_size)
+            chunks.append(Chunk(f"s{i}", sent[i], tokens[sent[i] : end], prompt_len, final=end == len(tokens)))
+            sent[i] = None if end == len(tokens) else end
+        results.update(scorer.process(chunks))
+    return results
+
+
+def scorers(models, budget=1 << 30):
+    return dict(
+        reward=ChunkScorer(models["reward"], "reward", budget),
+        critic=ChunkScorer(models["critic"], "critic", budget),
+        logprob=ChunkScorer(models["actor"].model, "logprob", budget, temperature=TEMPERATURE),
+    )
+
+
+def assert_equal_to_upstream(results, sequences, expected):
+    for kind, by_uid in results.items():
+        for i, (prompt_len, tokens) in enumerate(sequences):
+            scored = by_uid[f"s{i}"]
+            assert scored.output is not None, (kind, i)
+            if kind == "reward":
+                torch.testing.assert_close(scored.output, expected["reward"][i], atol=TOLERANCE, rtol=0)
+            else:
+                assert scored.output.shape == (len(tokens) - prompt_len,)
+                span = expected[kind][i, prompt_len - 1 : len(tokens) - 1]
+                torch.testing.assert_close(scored.output, span, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 10_000])
+def test_streamed_scores_equal_full_forward(models, chunk_size):
+    sequences, input_ids, attention_mask, action_mask = make_batch(seed=chunk_size)
+    expected = upstream_outputs(models, input_ids, attention_mask, action_mask)
+    results = {kind: stream(scorer, sequences, chunk_size) for kind, scorer in scorers(models).items()}
+    assert_equal_to_upstream(results, sequences, expected)
+    if chunk_size < 64:
+        longer = [r for r in results["critic"].values() if r.length - r.prompt_len > chunk_size]
+        assert longer and all(r.streamed_tokens > 0 for r in longer)
+
+
+def test_cache_budget_evicts_and_results_stay_equal(models):
+    sequences, input_ids, attention_mask, action_mask = make_batch(seed=3)
+    expected = upstream_outputs(models, input_ids, attention_mask, action_mask)
+    tight = scorers(models, budget=40_000)  # a few hundred tokens of KV for all sequences together
+    results = {kind: stream(scorer, sequences, 5) for kind, scorer in tight.items()}
+    assert_equal_to_upstream(results, sequences, expected)
+    assert all(scorer.stats["evictions"] > 0 for scorer in tight.values())
+    assert all(scorer.cached_bytes() == 0 for scorer in tight.values())  # nothing left behind
+
+
+def test_weights_change_mid_stream_rescored_with_new_weights(models):
+    """After ``bump_version`` a sequence's cache is rebuilt: its scores are the new weights' scores."""
+    critic = models["critic"]
+    sequences, input_ids, attention_mask, action_mask = make_batch(seed=5, count=4)
+    scorer = ChunkScorer(critic, "critic", 1 << 30)
+    halves = [len(tokens) // 2 + 1 for _, tokens in sequences]
+    scorer.process([Chunk(f"s{i}", 0, t[:h], p, False) for i, ((p, t), h) in enumerate(zip(sequences, halves))])
+
+    saved = {k: v.clone() for k, v in critic.state_dict().items()}
+    try:
+        with torch.no_grad():
+            for parameter in critic.parameters():
+                parameter.add_(0.05 * torch.randn_like(parameter))
+        scorer.bump_version()
+        results = scorer.process(
+            [Chunk(f"s{i}", h, t[h:], p, True) for i, ((p, t), h) in enumerate(zip(sequences, halves))]
+        )
+        expected = upstream_outputs(dict(models, critic=critic), input_ids, attention_mask, action_mask)
+        assert_equal_to_upstream({"critic": results}, sequences, expected)
+        assert all(r.version == 1 for r in results.values())
+    finally:
+        critic.load_state_dict(saved)
+
+
+def test_missing_chunk_leaves_the_sequence_to_upstream(models):
+    scorer = ChunkScorer(models["reward"], "reward", 1 << 30)
+    scorer.process([Chunk("a", 0, [5, 6, 7, 8], 2, False)])
+    result = scorer.process([Chunk("a", 6, [9, 10], 2, True)])  # positions 4..5 never arrived
+    assert result["a"].output is None
+    assert scorer.cached_bytes() == 0
+
+
+def test_chunks_of_one_sequence_in_one_call_are_merged(models):
+    sequences, input_ids, attention_mask, action_mask = make_batch(seed=9, count=2)
+    expected = upstream_outputs(models, input_ids, attention_mask, action_mask)
+    scorer = ChunkScorer(models["actor"].model, "logprob", 1 << 30, temperature=TEMPERATURE)
+    chunks = []
+    for i, (prompt_len, tokens) in enumerate(sequences):
+        cut = prompt_len + 1
+        chunks += [Chunk(f"s{i}", 0, tokens[:cut], prompt_len), Chunk(f"s{i}", cut, tokens[cut:], prompt_len, True)]
+    assert_equal_to_upstream({"logprob": scorer.process(chunks)}, sequences, expected)
+    assert scorer.stats["forwards"] == 1

