@@ -84,12 +84,52 @@ class CPUReferenceModelActor(_CPUModel, actors.StreamingReferenceModelActor):
         self.model = _causal_model(args, path).eval()
 
 
-class CPUCriticModelActor(_CPUModel, actors.StreamingCriticModelActor):
+class _CPUTraining:
+    """Stand-in for DeepSpeed training on CPU: PPOTrainer's step loop runs, the weights do not change.
+
+    ``fit`` still bumps the scorer's weight version, as a real update does, so that OPPO's handling of
+    results computed with old weights is exercised. Checkpoints keep only the trainer's client states.
+    """
+
+    def append(self, experience):
+        pass
+
+    def fit(self, *args, **kwargs):
+        if self.oppo_scorer is not None:
+            self.oppo_scorer.bump_version()
+        return {}
+
+    def broadcast_to_vllm(self):
+        pass
+
+    def reload_states(self):
+        pass
+
+    def offload_states(self):
+        pass
+
+    def save_model(self):
+        pass
+
+    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        folder = os.path.join(self.strategy.args.ckpt.path, "_actor")
+        os.makedirs(folder, exist_ok=True)
+        torch.save(client_states or {}, os.path.join(folder, f"{tag}.pt"))
+        with open(os.path.join(folder, "latest"), "w") as f:
+            f.write(tag)
+
+    def get_checkpoint_states(self):
+        folder = os.path.join(self.strategy.args.ckpt.path, "_actor")
+        with open(os.path.join(folder, "latest")) as f:
+            return torch.load(os.path.join(folder, f"{f.read()}.pt"), weights_only=False)
+
+
+class CPUCriticModelActor(_CPUModel, _CPUTraining, actors.StreamingCriticModelActor):
     def load(self, args, path):
         self.critic = _value_model(args, path, "critic")
 
 
-class CPUPolicyModelActor(_CPUModel, actors.StreamingPolicyModelActor):
+class CPUPolicyModelActor(_CPUModel, _CPUTraining, actors.StreamingPolicyModelActor):
     def load(self, args, path):
         self.actor = _causal_model(args, path)
 
@@ -211,6 +251,22 @@ class CPUPipeline:
                 *groups, self.kl_ctl, self.strategy, self.tokenizer, streamed_models=list(self.groups)
             )
         return RemoteExperienceMaker(*groups, self.kl_ctl, self.strategy, self.tokenizer)
+
+    def run_ppo(self, trainer_class):
+        """Upstream's driver from the trainer on: build ``trainer_class`` (a Ray actor class) and ``fit``."""
+        args = self.args
+        trainer = trainer_class.remote(
+            args.actor.model_name_or_path,
+            self.strategy,
+            self.groups["actor"],
+            self.groups["critic"],
+            self.groups["reward"],
+            self.groups["ref"],
+            self.engines,
+            **self.generate_kwargs(),
+        )
+        ray.get(trainer.fit.remote())
+        ray.kill(trainer)
 
     def generate_kwargs(self):
         args = self.args

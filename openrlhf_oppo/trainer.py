@@ -133,25 +133,28 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
 
     def train_step(self, rollout_samples, global_step):
         step_start = time.time()
+        lag = self._policy_lag(rollout_samples)  # before this step's update bumps the version
         status, global_step = super().train_step(rollout_samples, global_step)
         self.tracer.add("make_experience", step_start, step_start + status["timing/make_experience"], track="trainer")
-        status.update(self._oppo_metrics(rollout_samples, status))
+        status.update(lag)
+        status.update(self._oppo_metrics(status))
         if self.tracer.enabled:
             self._write_trace(global_step)
         return status, global_step
 
-    def _oppo_metrics(self, rollout_samples, status) -> dict:
+    def _policy_lag(self, rollout_samples) -> dict:
+        """How many weight versions the first token of each sample is behind the policy it trains (0: on-policy)."""
+        firsts = [s.oppo["first_version"] for s in rollout_samples if getattr(s, "oppo", None)]
+        lags = [self.policy_version - v for v in firsts if v is not None]
+        if not lags:
+            return {}
+        return {"oppo/policy_lag_mean": sum(lags) / len(lags), "oppo/policy_lag_max": float(max(lags))}
+
+    def _oppo_metrics(self, status) -> dict:
         metrics = dict(getattr(self.experience_maker, "metrics", {}))
         metrics.update(getattr(self.samples_generator, "metrics", {}))
         if isinstance(self.samples_generator, OvercommitSamplesGenerator):
             self.samples_generator.record_reward(status["rollout/reward_mean"])
-        first_versions = [s.oppo["first_version"] for s in rollout_samples if getattr(s, "oppo", None)]
-        first_versions = [v for v in first_versions if v is not None]
-        if first_versions:
-            # Versions the tokens are behind the policy being trained (0: fully on-policy).
-            lags = [self.policy_version - v for v in first_versions]
-            metrics["oppo/policy_lag_mean"] = sum(lags) / len(lags)
-            metrics["oppo/policy_lag_max"] = float(max(lags))
         if self.args.oppo.streamed_models:
             metrics.update(self._update_chunk_size())
         return metrics

@@ -65,10 +65,11 @@ def test_chunk_size_takes_the_busiest_device():
     assert chosen == min(c for c in CANDIDATES if 0.05 * 10 * 64 / c + 1e-6 * 25000 / 10 <= 0.5)
 
 
-def test_chunk_size_goes_to_the_largest_when_prefill_alone_cannot_keep_up():
+def test_chunk_size_climbs_one_candidate_a_step_to_the_largest_when_prefill_cannot_keep_up():
     controller = ChunkSizeController(initial=64)
     step = calls(0.01, 1e-3, [100, 200, 300, 400] * 10)  # 1 ms a token at 1000 tokens/s: always busy
-    assert controller.update({"gpu": step}, generation_seconds=10.0) == CANDIDATES[-1]
+    sizes = [controller.update({"gpu": step}, generation_seconds=10.0) for _ in range(len(CANDIDATES))]
+    assert sizes[:3] == [128, 256, 512] and sizes[-1] == CANDIDATES[-1]
 
 
 def test_fixed_chunk_size_and_too_few_calls_change_nothing():

@@ -11,7 +11,8 @@ current ``C0`` while the token rate stays the same, so the device is busy a frac
 
     u(C) = a * calls_per_s * C0 / C + b * tokens_per_s
 
-of the time. We pick the smallest candidate with ``u(C) <= target`` on every device. The paper instead
+of the time. We move one candidate per step towards the smallest with ``u(C) <= target`` on every
+device. The paper instead
 tries a few sizes every 50 steps and keeps the fastest; this reaches the same choice from one step's
 measurements, without spending steps on bad candidates, and follows the response lengths as they drift.
 """
@@ -49,7 +50,10 @@ class ChunkSizeController:
         def fits(size: int) -> bool:
             return all(per_call / size + per_token <= self.target_utilization for per_call, per_token in models.values())
 
-        chosen = next((size for size in CANDIDATES if fits(size)), CANDIDATES[-1])
+        target = next((size for size in CANDIDATES if fits(size)), CANDIDATES[-1])
+        # One candidate per step: a step's measurements are noisy, and the next step re-measures.
+        here = CANDIDATES.index(self.chunk_size) if self.chunk_size in CANDIDATES else CANDIDATES.index(target)
+        chosen = CANDIDATES[min(max(CANDIDATES.index(target), here - 1), here + 1)]
         self.utilization = {d: per_call / chosen + per_token for d, (per_call, per_token) in models.items()}
         self.chunk_size = chosen
         return chosen

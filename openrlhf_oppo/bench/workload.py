@@ -1,0 +1,51 @@
+"""Build a benchmark workload: random checkpoints of a named shape and a prompt set with response lengths.
+
+    python -m openrlhf_oppo.bench.workload --out DIR --shape qwen2.5-1.5b --prompts 512 \\
+        --lengths lognormal --mean 500 --sigma 1.0 --high 4096
+
+writes ``DIR/models/actor``, ``DIR/models/reward`` and ``DIR/prompts.jsonl`` (``input``, and ``length``:
+the response length that ``--bench.lengths_from_label`` makes every system decode), and prints DIR.
+"""
+
+import argparse
+import json
+import os
+
+from openrlhf_oppo import tiny
+
+
+def build(out, shape, dtype, prompts, lengths, seed, prompt_tokens, **params):
+    os.makedirs(out, exist_ok=True)
+    actor, reward = tiny.make_checkpoints(os.path.join(out, "models"), shape=shape, dtype=dtype, seed=seed)
+    values = tiny.response_lengths(prompts, lengths, seed=seed, **params)
+    tiny.write_prompts(os.path.join(out, "prompts.jsonl"), values, seed=seed, prompt_tokens=prompt_tokens)
+    summary = dict(shape=shape, prompts=prompts, distribution=lengths, params=params, seed=seed)
+    summary.update(mean_length=sum(values) / len(values), max_length=max(values))
+    with open(os.path.join(out, "workload.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return actor, reward, summary
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shape", default="tiny", choices=sorted(tiny.SHAPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompt_tokens", type=int, default=64)
+    parser.add_argument("--lengths", default="lognormal", choices=["lognormal", "bimodal", "uniform"])
+    parser.add_argument("--mean", type=float, default=500)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--low", type=int, default=16)
+    parser.add_argument("--high", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    params = dict(mean=args.mean, sigma=args.sigma, low=args.low, high=args.high)
+    _, _, summary = build(
+        args.out, args.shape, args.dtype, args.prompts, args.lengths, args.seed, args.prompt_tokens, **params
+    )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
