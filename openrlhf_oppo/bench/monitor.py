@@ -1,0 +1,50 @@
+"""GPU utilization sampled with NVML while a system runs (nothing is sampled where NVML is absent)."""
+
+import threading
+import time
+
+
+class GPUMonitor:
+    def __init__(self, interval_s: float = 0.1):
+        self.interval_s = interval_s
+        self.samples = []  # (wall time, [utilization % per GPU], [memory used GiB per GPU])
+        self.names = []
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception:  # noqa: BLE001 - no NVIDIA driver: a CPU machine
+            return self
+        self._nvml = pynvml
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        self.names = [_text(pynvml.nvmlDeviceGetName(h)) for h in handles]
+        self._thread = threading.Thread(target=self._run, args=(handles,), daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self, handles):
+        nvml = self._nvml
+        while not self._stop.is_set():
+            util = [nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles]
+            memory = [nvml.nvmlDeviceGetMemoryInfo(h).used / 2**30 for h in handles]
+            self.samples.append((time.time(), util, memory))
+            self._stop.wait(self.interval_s)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def mean_utilization(self, start: float, end: float):
+        window = [util for t, util, _ in self.samples if start <= t <= end]
+        if not window:
+            return []
+        return [sum(column) / len(window) for column in zip(*window)]
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value

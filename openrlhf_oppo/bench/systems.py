@@ -1,0 +1,95 @@
+"""The systems the benchmark compares, as ``train_ppo_ray`` flags, for each placement.
+
+Every system runs through ``python -m openrlhf_oppo.cli.train_ppo_ray``; without ``--oppo.enable``
+that is upstream OpenRLHF (``--bench.lengths_from_label`` only fixes the response lengths).
+
+* ``split``: half the GPUs for vLLM, half for the four models. Upstream's synchronous trainer cannot
+  express this with fewer than three GPU groups, so the synchronous systems use
+  ``--oppo.colocate_models`` (with OPPO off for the baseline); upstream's async trainer gets the same
+  placement from ``--train.colocate_all``, which in async mode places only the DeepSpeed models together.
+* ``colocated``: everything on every GPU, upstream's hybrid engine (vLLM and DeepSpeed sleep in turn).
+"""
+
+SYSTEMS = ("upstream-sync", "upstream-async", "oppo-intra", "oppo-inter", "oppo-both")
+
+
+def system_flags(system: str, placement: str, overcommit: int) -> list:
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    colocated = placement == "colocated"
+    if system == "upstream-async":
+        if colocated:
+            raise ValueError("upstream async needs GPUs of its own for vLLM: use --placement split")
+        return ["--train.async_enable", "--train.partial_rollout_enable", "--train.colocate_all"]
+
+    flags = ["--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep"] if colocated else []
+    if system == "upstream-sync":
+        return flags + ([] if colocated else ["--oppo.colocate_models"])
+    flags += ["--oppo.enable"] + ([] if colocated else ["--oppo.colocate_models"])
+    if system == "oppo-intra":
+        return flags + ["--oppo.intra_step", "on", "--oppo.overcommit", "0"]
+    if system == "oppo-inter":
+        return flags + ["--oppo.intra_step", "off", "--oppo.overcommit", str(overcommit)]
+    return flags + ["--oppo.intra_step", "on", "--oppo.overcommit", str(overcommit)]
+
+
+def common_flags(
+    workdir: str,
+    out: str,
+    system: str,
+    placement: str,
+    gpus: int,
+    batch: int,
+    n_samples: int,
+    steps: int,
+    max_response: int,
+    prompt_tokens: int,
+    seed: int,
+    cache_budget_gb: float,
+) -> list:
+    """Everything but the system: same models, data, lengths, batch and seed for every system."""
+    model_gpus = gpus if placement == "colocated" else gpus // 2
+    engines = gpus if placement == "colocated" else gpus - model_gpus
+    models = f"{workdir}/models"
+    flags = [
+        "--vllm.num_engines", str(engines),
+        "--vllm.tensor_parallel_size", "1",
+        "--vllm.gpu_memory_utilization", "0.45" if placement == "colocated" else "0.85",
+        "--actor.model_name_or_path", f"{models}/actor",
+        "--reward.model_name_or_path", f"{models}/reward",
+        "--critic.model_name_or_path", f"{models}/reward",
+        "--ckpt.output_dir", f"{out}/ckpt/{system}",
+        "--ckpt.path", f"{out}/ckpt/{system}",
+        "--rollout.batch_size", str(batch),
+        "--rollout.n_samples_per_prompt", str(n_samples),
+        "--rollout.micro_batch_size", "8",
+        "--train.batch_size", str(batch * n_samples),
+        "--train.micro_batch_size", "2",
+        "--train.max_epochs", "1",
+        "--train.seed", str(seed),
+        "--data.max_len", str(prompt_tokens + max_response + 8),
+        "--rollout.max_new_tokens", str(max_response),
+        "--data.max_samples", str(batch * steps),
+        "--data.prompt_dataset", f"{workdir}/prompts.jsonl",
+        "--data.input_key", "input",
+        "--data.label_key", "length",
+        "--bench.lengths_from_label",
+        "--ds.zero_stage", "2",
+        "--ds.param_dtype", "bf16",
+        "--ds.attn_implementation", "sdpa",
+        "--actor.gradient_checkpointing_enable",
+        "--actor.adam.lr", "5e-7",
+        "--critic.adam.lr", "9e-6",
+        "--algo.kl.init_coef", "0.01",
+        "--algo.advantage.estimator", "gae",
+        "--logger.logging_steps", "1",
+        "--logger.tensorboard_dir", f"{out}/tb",
+        "--logger.wandb.run_name", system,
+    ]  # fmt: skip
+    for role in ("actor", "critic", "reward", "ref"):
+        flags += [f"--{role}.num_nodes", "1", f"--{role}.num_gpus_per_node", str(model_gpus)]
+    if system.startswith("oppo"):
+        flags += ["--oppo.trace_dir", f"{out}/trace/{system}"]
+        if system != "oppo-inter":
+            flags += ["--oppo.cache_budget_gb", str(cache_budget_gb)]
+    return flags
