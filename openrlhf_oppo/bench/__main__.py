@@ -145,7 +145,7 @@ def _stop(process) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    subprocess.run(["ray", "stop", "--force"], capture_output=True)
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
 
 
 def _gpu_names():
