@@ -59,7 +59,6 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             "ref": reference_model_group,
             "actor": actor_model_group,
         }
-        self.scorer_devices = {}
         self.samples_generator = self._make_samples_generator(strategy, vllm_engines)
         if oppo.streamed_models:
             self.experience_maker = StreamingExperienceMaker(
@@ -112,7 +111,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         scorers = {}
         for name in oppo.streamed_models:
             group = self.scorer_groups[name]
-            devices = ray.get(
+            ray.get(
                 group.async_run_method(
                     method_name="oppo_setup",
                     cache_budget_bytes=int(oppo.cache_budget_gb * 2**30),
@@ -121,7 +120,6 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                 )
             )
             scorers[name] = group._actor_handlers  # noqa: SLF001 - RayActorGroup exposes no accessor
-            self.scorer_devices[name] = devices
         ray.get(
             [
                 engine.oppo_connect.remote(scorers, self.chunk_controller.chunk_size, salt_prompts=oppo.inter_step)
@@ -160,14 +158,13 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         return metrics
 
     def _update_chunk_size(self) -> dict:
-        calls_by_device = {}
+        calls_by_scorer = {}
         for name in self.args.oppo.streamed_models:
             stats = ray.get(self.scorer_groups[name].async_run_method(method_name="oppo_stats"))
-            for device, rank_stats in zip(self.scorer_devices[name], stats):
-                calls_by_device.setdefault(device, []).extend(rank_stats["calls"])
-        generation_s = getattr(self.samples_generator, "last_generation_s", 0.0)
+            for rank, rank_stats in enumerate(stats):
+                calls_by_scorer[f"{name}:{rank}"] = rank_stats["calls"]
         before = self.chunk_controller.chunk_size
-        after = self.chunk_controller.update(calls_by_device, generation_s)
+        after = self.chunk_controller.update(calls_by_scorer, self.samples_generator.last_generation_s)
         if after != before:
             ray.get([engine.oppo_set_chunk_size.remote(after) for engine in self.vllm_engines])
         metrics = {"oppo/chunk_size": float(before)}

@@ -57,7 +57,7 @@ def test_chunk_size_is_the_smallest_that_keeps_the_scorer_under_target():
     assert controller.utilization["gpu0"] == pytest.approx(12.8 / 32 + 0.0475, rel=1e-6)
 
 
-def test_chunk_size_takes_the_busiest_device():
+def test_chunk_size_takes_the_busiest_scorer():
     controller = ChunkSizeController(initial=64, target_utilization=0.5)
     light = calls(0.001, 1e-6, [100, 200, 300, 400] * 5)
     heavy = calls(0.05, 1e-6, [100, 200, 300, 400] * 25)

@@ -52,7 +52,8 @@ def parse():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per system before it is stopped")
     parser.add_argument("--workdir", default=None, help="where checkpoints and prompts go (default OUT/workload)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, help="results.json, table.md and the plots")
+    parser.add_argument("--scratch", default=None, help="logs, tensorboard, traces, checkpoints (default OUT)")
     return parser.parse_args()
 
 
@@ -60,7 +61,8 @@ def main():
     args = parse()
     systems = [s for s in args.systems.split(",") if s]
     overcommit = args.overcommit if args.overcommit is not None else max(1, args.batch // 4)
-    workdir = args.workdir or os.path.join(args.out, "workload")
+    args.scratch = args.scratch or args.out
+    workdir = args.workdir or os.path.join(args.scratch, "workload")
     os.makedirs(args.out, exist_ok=True)
     # One prompt group per step more than measured, so that overcommit has prompts to draw on.
     prompts = args.batch * (args.warmup + args.steps + 1)
@@ -80,7 +82,7 @@ def main():
     for system in tqdm(systems, desc="systems"):
         flags = common_flags(
             workdir,
-            args.out,
+            args.scratch,
             system,
             args.placement,
             args.gpus,
@@ -102,7 +104,7 @@ def main():
 def run_system(system, flags, args) -> dict:
     """Run one system until one step past the measured ones (its logging flushes theirs to disk), then stop it."""
     command = [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray"] + flags
-    log_path = os.path.join(args.out, f"{system}.log")
+    log_path = os.path.join(args.scratch, f"{system}.log")
     wanted = args.warmup + args.steps + 1
     started, logged = time.time(), 0
     with GPUMonitor() as monitor, open(log_path, "w") as log:
@@ -119,7 +121,7 @@ def run_system(system, flags, args) -> dict:
                 break
         bar.close()
         _stop(process)
-    steps = report.read_steps(os.path.join(args.out, "tb", system))
+    steps = report.read_steps(os.path.join(args.scratch, "tb", system))
     measured = steps[args.warmup : args.warmup + args.steps]
     result = dict(
         flags=flags,

@@ -26,8 +26,8 @@ class StreamingScorerMixin:
     def oppo_model(self) -> torch.nn.Module:
         raise NotImplementedError
 
-    def oppo_setup(self, cache_budget_bytes: int, temperature: float, trace: bool = False) -> str:
-        """Build the scorer (after ``init_model_from_pretrained``). Returns the device it runs on."""
+    def oppo_setup(self, cache_budget_bytes: int, temperature: float, trace: bool = False) -> None:
+        """Build the scorer (after ``init_model_from_pretrained``)."""
         self.oppo_scorer = ChunkScorer(
             unwrap_model(self.oppo_model()),
             self.oppo_kind,
@@ -35,8 +35,6 @@ class StreamingScorerMixin:
             temperature=temperature,
         )
         self.oppo_tracer = Tracer(enabled=trace, process=f"{self.oppo_kind} scorer")
-        gpu_ids = ray.get_gpu_ids()
-        return f"{ray.get_runtime_context().get_node_id()}:{gpu_ids[0] if gpu_ids else 'cpu'}"
 
     def oppo_prefill(self, chunks):
         module = self.oppo_scorer.model

@@ -4,15 +4,16 @@ The smaller the chunk, the less is left to score after a sequence's last token; 
 costs a fixed overhead (a Ray call, a padded batch, kernel launches), and the calls come faster as
 chunks shrink. A scoring device that falls behind the decoder hides nothing.
 
-Each step we measure, per scoring device, the time of every prefill call and fit
+Each step we measure, per scoring actor, the time of every prefill call and fit
 ``seconds = a * calls + b * tokens``, and the rates at which tokens and calls arrived during the
 generation phase. At chunk size ``C`` the calls come ``C0 / C`` times as often as they did at the
-current ``C0`` while the token rate stays the same, so the device is busy a fraction
+current ``C0`` while the token rate stays the same, so the actor is busy a fraction
 
     u(C) = a * calls_per_s * C0 / C + b * tokens_per_s
 
-of the time. We move one candidate per step towards the smallest with ``u(C) <= target`` on every
-device. The paper instead
+of the time. We move one candidate per step towards the smallest with ``u(C) <= target`` for every
+actor. Actors that share a GPU each see the others' kernels in their own times, so each one's busy
+fraction already says whether it keeps up (summing them would count the sharing twice). The paper instead
 tries a few sizes every 50 steps and keeps the fastest; this reaches the same choice from one step's
 measurements, without spending steps on bad candidates, and follows the response lengths as they drift.
 """
@@ -29,21 +30,21 @@ class ChunkSizeController:
         self.fixed = fixed
         self.chunk_size = fixed or initial
         self.target_utilization = target_utilization
-        self.utilization: Dict[str, float] = {}  # per device, at the chosen size: for the log
+        self.utilization: Dict[str, float] = {}  # per scoring actor, at the chosen size: for the log
 
-    def update(self, calls_by_device: Dict[str, List[Tuple[int, int, float]]], generation_seconds: float) -> int:
-        """Take one step's prefill calls ``(new tokens, forwards, seconds)`` per device; return the next size."""
+    def update(self, calls_by_scorer: Dict[str, List[Tuple[int, int, float]]], generation_seconds: float) -> int:
+        """Take one step's prefill calls ``(new tokens, forwards, seconds)`` per scoring actor; return the next size."""
         if self.fixed or generation_seconds <= 0:
             return self.chunk_size
         models = {}
-        for device, calls in calls_by_device.items():
+        for scorer, calls in calls_by_scorer.items():
             fit = _fit_cost(calls)
             if fit is None:
                 continue
             a, b = fit
             calls_per_s = len(calls) / generation_seconds
             tokens_per_s = sum(tokens for tokens, _, _ in calls) / generation_seconds
-            models[device] = (a * calls_per_s * self.chunk_size, b * tokens_per_s)
+            models[scorer] = (a * calls_per_s * self.chunk_size, b * tokens_per_s)
         if not models:
             return self.chunk_size
 
