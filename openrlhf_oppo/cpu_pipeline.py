@@ -112,6 +112,8 @@ class _CPUTraining:
         pass
 
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        if client_states is None:
+            return  # the critic's call: the trainer's states go with the policy's checkpoint
         folder = os.path.join(self.strategy.args.ckpt.path, "_actor")
         os.makedirs(folder, exist_ok=True)
         torch.save(client_states or {}, os.path.join(folder, f"{tag}.pt"))
@@ -248,7 +250,12 @@ class CPUPipeline:
         groups = (self.groups["actor"], self.groups["critic"], self.groups["reward"], self.groups["ref"])
         if streamed:
             return StreamingExperienceMaker(
-                *groups, self.kl_ctl, self.strategy, self.tokenizer, streamed_models=list(self.groups)
+                *groups,
+                self.kl_ctl,
+                self.strategy,
+                self.tokenizer,
+                streamed_models=list(self.groups),
+                vllm_engines=self.engines,
             )
         return RemoteExperienceMaker(*groups, self.kl_ctl, self.strategy, self.tokenizer)
 

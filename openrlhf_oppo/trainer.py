@@ -70,6 +70,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                 strategy,
                 self.tokenizer,
                 streamed_models=oppo.streamed_models,
+                vllm_engines=vllm_engines,
             )
 
     def _make_samples_generator(self, strategy, vllm_engines):

@@ -69,6 +69,8 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
             self._iter, self._iter_done = iter(self.prompts_dataloader), False
         if self.args.vllm.enable_sleep:
             batch_vllm_engine_call(self.vllm_engines, "wake_up")
+        # Carried sequences stream again: their chunks held through training now meet the new weights.
+        batch_vllm_engine_call(self.vllm_engines, "oppo_hold", False)
 
         started = time.time()
         batch = self.args.rollout.batch_size
@@ -77,6 +79,9 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         bth_done_at = self._wait(batch, generate_kwargs, started, stats)
         taken = self._take(batch)
 
+        # Until the next step, carried sequences only queue their chunks: the scoring GPUs are about to
+        # train, and the critic's and policy's scores would be computed with weights about to change.
+        batch_vllm_engine_call(self.vllm_engines, "oppo_hold", True)
         if self.args.vllm.enable_sleep:
             batch_vllm_engine_call(self.vllm_engines, "sleep")
         elif self.pause_between_steps and self.groups:

@@ -13,7 +13,7 @@ from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 from openrlhf.trainer.ray.ppo_critic import CriticModelActor
 
-from openrlhf_oppo.streaming.scorer import ChunkScorer, unwrap_model
+from openrlhf_oppo.streaming.scorer import Chunk, ChunkScorer, unwrap_model
 from openrlhf_oppo.trace import Tracer
 
 
@@ -35,14 +35,36 @@ class StreamingScorerMixin:
             temperature=temperature,
         )
         self.oppo_tracer = Tracer(enabled=trace, process=f"{self.oppo_kind} scorer")
+        self.oppo_finished = {}  # uid -> ScoredSequence, until the experience maker collects it
 
-    def oppo_prefill(self, chunks):
+    def oppo_prefill(self, chunks) -> int:
+        """Prefill a batch of chunks (from one rollout actor); keep the scores of sequences that ended."""
+        self._process(self._rescore_stale() + list(chunks))
+        return len(chunks)
+
+    def oppo_collect(self, uids) -> dict:
+        """The scores of these finished sequences (None for one this actor has not finished)."""
+        self._process(self._rescore_stale())
+        return {uid: self.oppo_finished.pop(uid, None) for uid in uids}
+
+    def _rescore_stale(self) -> list:
+        """Sequences that ended before the last weight update, to score again with the new weights.
+
+        (A sample can end in one step and be trained in a later one: its group was carried over.)
+        """
+        version = self.oppo_scorer.version
+        stale = [r for r in self.oppo_finished.values() if r is not None and r.version != version]
+        return [Chunk(r.uid, 0, r.tokens, r.prompt_len, final=True) for r in stale]
+
+    def _process(self, chunks) -> None:
+        if not chunks:
+            return
         module = self.oppo_scorer.model
         was_training = module.training
         module.eval()
         try:
             with self.oppo_tracer.span("prefill", track=self.oppo_kind, chunks=len(chunks)):
-                return self.oppo_scorer.process(chunks)
+                self.oppo_finished.update(self.oppo_scorer.process(chunks))
         finally:
             module.train(was_training)
 

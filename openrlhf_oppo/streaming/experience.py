@@ -2,10 +2,12 @@
 
 ``RemoteExperienceMaker.make_experience`` asks each model group for its outputs with
 ``_dispatch_forward`` and reads them back with ``_flatten_results``. For a streamed model we answer
-that call from the scores the rollout returned (one ObjectRef per sequence and model), laid out in the
-tensors upstream's ``forward`` would have returned for the same micro-batch; only micro-batches
-with a sequence that could not be streamed (or was scored by an older critic/policy) go to the model
-the upstream way. KL, reward shaping, GAE and whitening stay upstream's.
+that call from the scores its actors computed while the sequences were generated: we flush the chunks
+still queued in the rollout actors, wait for those prefill calls, collect each sequence's scores from
+the rank that holds it, and lay them out in the tensors upstream's ``forward`` would have returned for
+the same micro-batch. Only micro-batches with a sequence that could not be streamed (or was scored by
+an older critic/policy) go to the model the upstream way. KL, reward shaping, GAE and whitening stay
+upstream's.
 """
 
 import time
@@ -16,19 +18,22 @@ import torch
 from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
+from openrlhf_oppo.streaming.rollout import route
 from openrlhf_oppo.streaming.scorer import ScoredSequence
 
 
 class StreamingExperienceMaker(RemoteExperienceMaker):
-    def __init__(self, *args, streamed_models=(), **kwargs):
+    def __init__(self, *args, streamed_models=(), vllm_engines=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.streamed_models = set(streamed_models)
+        self.vllm_engines = list(vllm_engines)
         self.metrics: Dict[str, float] = {}
 
     def make_experience_batch(self, rollout_samples: List[Experience]) -> List[Experience]:
         self._streams = [getattr(sample, "oppo", None) for sample in rollout_samples]
         self._scored: Dict[str, List[Optional[ScoredSequence]]] = {}
         self._counts = dict(streamed=0, total=0, fallback_batches=0, batches=0)
+        self._flushed_at = None
         experiences = super().make_experience_batch(rollout_samples)
 
         last_tokens = [s["last_token_time"] for s in self._streams if s and s.get("last_token_time")]
@@ -46,7 +51,7 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
 
     def _dispatch_forward(self, group, sync_condition, **kwargs):
         model = self._model_name(group)
-        if model not in self.streamed_models or not any(s and "scores" in s for s in self._streams):
+        if model not in self.streamed_models or not any(s and model in s.get("streamed", ()) for s in self._streams):
             return super()._dispatch_forward(group, sync_condition, **kwargs)
 
         scored = self._fetch(model, group)
@@ -78,22 +83,38 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
         }
         return next((name for name, g in names.items() if g is not None and g is group), None)
 
+    def _flush(self) -> None:
+        """Once per batch: send the chunks still queued in the rollout actors and wait for every prefill."""
+        if self._flushed_at is None:
+            self._flushed_at = time.time()
+            uids = [stream["uid"] for stream in self._streams if stream and stream.get("streamed")]
+            calls = ray.get([engine.oppo_flush.remote(uids) for engine in self.vllm_engines])
+            ray.get([call for engine_calls in calls for call in engine_calls])
+
     def _fetch(self, model: str, group) -> List[Optional[ScoredSequence]]:
         """This model's scores for every rollout sample, or None where it has none valid now."""
         if model in self._scored:
             return self._scored[model]
-        refs = {s["scores"][model] for s in self._streams if s and model in s.get("scores", {})}
-        by_ref = dict(zip(refs, ray.get(list(refs))))
+        self._flush()
+        handlers = group._actor_handlers  # noqa: SLF001 - RayActorGroup exposes no accessor
+        uids_by_rank = {}
+        for stream in self._streams:
+            if stream and model in stream.get("streamed", ()):
+                uids_by_rank.setdefault(route(stream["uid"], len(handlers)), []).append(stream["uid"])
+        collected = {}
+        for part in ray.get([handlers[rank].oppo_collect.remote(uids) for rank, uids in uids_by_rank.items()]):
+            collected.update(part)
         # A trainable model's result counts only if computed with its current weights.
-        version = ray.get(group.async_run_method(method_name="oppo_version")[0])
+        version = ray.get(handlers[0].oppo_version.remote())
         scored = []
         for stream in self._streams:
             result = None
-            if stream and model in stream.get("scores", {}):
-                result = by_ref[stream["scores"][model]].get(stream["uid"])
+            if stream and model in stream.get("streamed", ()):
+                result = collected.get(stream["uid"])
                 self._counts["total"] += stream["length"]
                 if result is not None and result.output is not None and result.version == version:
-                    self._counts["streamed"] += result.streamed_tokens
+                    hidden = result.tokens_prefilled_before(self._flushed_at)
+                    self._counts["streamed"] += min(hidden, stream["length"])
                 else:
                     result = None
             scored.append(result)

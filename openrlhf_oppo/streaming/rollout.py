@@ -3,9 +3,8 @@
 Per sample (one ``executor.execute`` of ``generate_responses``) a ``SampleStream`` collects the tokens the
 engine emits (``RequestOutputKind.DELTA``) and hands every ``chunk_size`` of them to the scoring actors.
 ``ChunkOutbox`` batches the chunks of all sequences per destination actor into one ``oppo_prefill``
-call, and keeps at most two calls in flight per actor so chunks pile up (and batch better) when a
-scorer falls behind. The call for a sequence's last chunk returns its scores: that Ray ObjectRef goes
-back with the response, for the experience maker to pick up.
+call. Generation never waits for the scorers: a sample returns as soon as its last token is out, with
+the id its scores are filed under; the experience maker flushes the outboxes and collects the scores.
 
 The same actor also keeps requests across weight updates for inter-step overlap (pause, resume,
 sleep without aborting) and salts prompts with the weight version so that no prefix-cache entry
@@ -44,30 +43,49 @@ class RolloutConfig:
     trace: bool = False
 
 
-class ChunkOutbox:
-    """Per-destination queues of chunks, flushed as one ``oppo_prefill`` call per scoring actor."""
+def route(uid: str, ranks: int) -> int:
+    """The rank of a model's group that holds sequence ``uid``'s cache (the same for all its chunks)."""
+    return zlib.crc32(uid.encode()) % ranks
 
-    def __init__(self, scorers: Dict[str, List], tracer: Tracer, flush_interval_s: float = 0.005):
+
+class ChunkOutbox:
+    """Per-destination queues of chunks, sent as one ``oppo_prefill`` call per scoring actor.
+
+    At most ``MAX_CALLS_IN_FLIGHT`` calls go to one actor at a time, so that chunks pile up (and batch
+    better) when it falls behind. Nothing waits for the scorers: a sample's last chunk is queued like the
+    others and the sample returns at once; the experience maker ``flush``es the outbox and collects the
+    scores. While ``held`` (the training phase of inter-step overlap) chunks only queue: the scoring GPUs
+    are training, and the critic's and policy's weights are about to change anyway.
+    """
+
+    def __init__(self, scorers: Dict[str, List], flush_interval_s: float = 0.005):
         self.scorers = scorers  # model name -> actor handles of its ranks
-        self.tracer = tracer
         self.flush_interval_s = flush_interval_s
-        self._queues: Dict[tuple, List[tuple]] = {}
-        self._in_flight: Dict[tuple, int] = {}
+        self.held = False
+        self._queues: Dict[tuple, List[Chunk]] = {}
+        self._in_flight: Dict[tuple, set] = {}
         self._wake = asyncio.Event()
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
         self.calls = 0
 
-    def put(self, chunk: Chunk) -> Optional[Dict[str, asyncio.Future]]:
-        """Queue ``chunk`` for every model; for a final chunk, futures of each model's result ref."""
-        futures = {} if chunk.final else None
+    def put(self, chunk: Chunk) -> None:
         for model, ranks in self.scorers.items():
-            key = (model, zlib.crc32(chunk.uid.encode()) % len(ranks))  # a sequence stays on one rank
-            future = asyncio.get_running_loop().create_future() if chunk.final else None
-            self._queues.setdefault(key, []).append((chunk, future))
-            if future is not None:
-                futures[model] = future
+            self._queues.setdefault((model, route(chunk.uid, len(ranks))), []).append(chunk)
         self._wake.set()
-        return futures
+
+    def flush(self, uids=None) -> List[ray.ObjectRef]:
+        """Send the queued chunks of ``uids`` (all if None) now, held or not; return every call not yet done."""
+        for key in list(self._queues):
+            if uids is None:
+                self._send(key)
+                continue
+            now = [chunk for chunk in self._queues[key] if chunk.uid in uids]
+            later = [chunk for chunk in self._queues[key] if chunk.uid not in uids]
+            self._queues[key] = now
+            self._send(key)
+            if later:
+                self._queues[key] = later
+        return [ref for refs in self._in_flight.values() for ref in refs]
 
     async def _flush_loop(self):
         while True:
@@ -75,28 +93,28 @@ class ChunkOutbox:
             self._wake.clear()
             # The chunks of one engine step arrive together: give the rest of them a moment.
             await asyncio.sleep(self.flush_interval_s)
-            for key, queue in self._queues.items():
-                if queue and self._in_flight.get(key, 0) < MAX_CALLS_IN_FLIGHT:
-                    self._send(key, queue)
-                    self._queues[key] = []
+            if self.held:
+                continue
+            for key in list(self._queues):
+                if len(self._in_flight.get(key, ())) < MAX_CALLS_IN_FLIGHT:
+                    self._send(key)
 
-    def _send(self, key, queue):
+    def _send(self, key) -> None:
+        chunks = self._queues.pop(key, None)
+        if not chunks:
+            return
         model, rank = key
-        chunks = [chunk for chunk, _ in queue]
         ref = self.scorers[model][rank].oppo_prefill.remote(chunks)
         self.calls += 1
-        for _, future in queue:
-            if future is not None:
-                future.set_result(ref)
-        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        self._in_flight.setdefault(key, set()).add(ref)
         asyncio.get_running_loop().create_task(self._landed(key, ref))
 
     async def _landed(self, key, ref):
         try:
             await ref
-        except Exception:  # noqa: BLE001 - the experience maker sees the error when it fetches the result
+        except Exception:  # noqa: BLE001 - the experience maker sees the error when it waits on the call
             pass
-        self._in_flight[key] -= 1
+        self._in_flight[key].discard(ref)
         self._wake.set()  # chunks that waited for this call go now
 
     def close(self):
@@ -111,7 +129,7 @@ class SampleStream:
     outbox: Optional[ChunkOutbox]
     chunk_size: int
     prompt_len: int = -1
-    sent: List[int] = field(default_factory=list)  # tokens already handed to the scorers
+    sent: List[int] = field(default_factory=list)  # tokens already handed to the outbox
     pending: List[int] = field(default_factory=list)
     first_version: Optional[int] = None
     last_version: Optional[int] = None
@@ -132,14 +150,13 @@ class SampleStream:
         if self.outbox is not None and len(self.pending) >= self.chunk_size:
             self._emit(final=False)
 
-    def _emit(self, final: bool):
-        chunk = Chunk(self.uid, len(self.sent), self.pending, self.prompt_len, final)
+    def _emit(self, final: bool) -> None:
+        self.outbox.put(Chunk(self.uid, len(self.sent), self.pending, self.prompt_len, final))
         self.sent.extend(self.pending)
         self.pending = []
-        return self.outbox.put(chunk)
 
-    async def finish(self, final_tokens: List[int]) -> Dict[str, ray.ObjectRef]:
-        """Send the last chunk; return each model's ObjectRef of this sequence's scores."""
+    def finish(self, final_tokens: List[int]) -> None:
+        """Queue the last chunk: the sequence is exactly ``final_tokens`` (what training sees)."""
         known = self.sent + self.pending
         if final_tokens[: len(known)] != known:
             # The sample was edited after generation (truncated, or an agent rewrote it). Close the
@@ -147,8 +164,7 @@ class SampleStream:
             self._emit(final=True)
             self.uid, self.sent = f"{self.uid}-full", []
         self.pending = list(final_tokens[len(self.sent) :])
-        futures = self._emit(final=True)
-        return {model: await future for model, future in futures.items()}
+        self._emit(final=True)
 
 
 class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
@@ -172,12 +188,23 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
         """Stream to ``scorers`` (model name -> actor handle per rank) from now on."""
         if self.outbox is not None:
             self.outbox.close()
-        self.outbox = ChunkOutbox(scorers, self.tracer) if scorers else None
+        self.outbox = ChunkOutbox(scorers) if scorers else None
         self.chunk_size = chunk_size
         self.salt_prompts = salt_prompts
 
     def oppo_set_chunk_size(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
+
+    def oppo_hold(self, held: bool) -> None:
+        """Keep chunks queued (``True``) or send them as they come (``False``)."""
+        if self.outbox is not None:
+            self.outbox.held = held
+            self.outbox._wake.set()
+
+    def oppo_flush(self, uids=None) -> List[ray.ObjectRef]:
+        """Send the queued chunks of ``uids`` (all if None) now; return the prefill calls still running
+        (wait on them before collecting scores)."""
+        return self.outbox.flush(set(uids) if uids is not None else None) if self.outbox is not None else []
 
     def oppo_stats(self) -> dict:
         """Decode rate per sequence since the last call, for the chunk-size controller."""
@@ -247,8 +274,8 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
         if self.outbox is not None:
             # The samples generator truncates to max_length; score exactly what training sees.
             final_tokens = response["observation_tokens"][:max_length]
-            info["scores"] = await stream.finish(final_tokens)
-            info.update(uid=stream.uid, length=len(final_tokens))
+            stream.finish(final_tokens)
+            info.update(uid=stream.uid, length=len(final_tokens), streamed=list(self.outbox.scorers))
         response["oppo"] = info
         return response
 

@@ -48,8 +48,13 @@ class ScoredSequence:
     length: int
     prompt_len: int
     version: int
-    streamed_tokens: int  # tokens prefilled before the sequence ended
+    streamed_tokens: int  # tokens prefilled before the sequence's last chunk arrived
     total_tokens: int
+    prefilled: List[tuple] = field(default_factory=list)  # (time the prefill ended, tokens), per call
+    tokens: List[int] = field(default_factory=list)  # to score it again if the weights change first
+
+    def tokens_prefilled_before(self, when: float) -> int:
+        return sum(tokens for done, tokens in self.prefilled if done <= when)
 
 
 @dataclass
@@ -66,6 +71,7 @@ class _Sequence:
     evicted: bool = False  # the cache was dropped: score the whole sequence when it ends
     broken: bool = False  # a chunk went missing: leave the sequence to the upstream path
     streamed_tokens: int = 0
+    prefilled: List[tuple] = field(default_factory=list)  # (time, tokens) of each call that ran it
 
     @property
     def capacity(self) -> int:
@@ -158,9 +164,12 @@ class ChunkScorer:
         for batch in self._batches(runnable):
             self._forward(batch)
             forwards += 1
-        results = {w.uid: self._finish(w) for w in work if w.final}
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the time below is the GPU's, not the launch queue's
+        now = time.time()
+        for w in runnable:
+            w.seq.prefilled.append((now, len(w.tokens)))
+        results = {w.uid: self._finish(w) for w in work if w.final}
         seconds = time.perf_counter() - started
         self.stats["busy_s"] += seconds
         self.calls.append((sum(len(w.tokens) for w in runnable), forwards, seconds))
@@ -342,7 +351,7 @@ class ChunkScorer:
     def _drop_cache(self, seq: _Sequence) -> None:
         seq.keys = seq.values = seq.last_hidden = None
         seq.cached = 0
-        seq.outputs = []
+        seq.outputs, seq.prefilled = [], []  # the work done so far is lost
 
     # -- results --------------------------------------------------------------------------------
 
@@ -361,6 +370,8 @@ class ChunkScorer:
             version=seq.version,
             streamed_tokens=seq.streamed_tokens,
             total_tokens=length,
+            prefilled=seq.prefilled,
+            tokens=seq.tokens,
         )
 
     def _final_output(self, seq: _Sequence) -> torch.Tensor:
