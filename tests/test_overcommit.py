@@ -74,7 +74,9 @@ def test_steps_end_at_b_groups_and_carried_groups_finish_complete(pipeline, work
                 assert sample.sequences.shape[1] == int(sample.attention_mask.sum())
     prompts = [json.loads(line)["input"] for line in open(path)]
     assert trained == Counter({p: 2 for p in prompts})  # two epochs, each prompt once per epoch
-    assert all(len(groups_of(step["samples"])) == 4 for step in history if step["consumed"] and step is not history[-1])
+    assert all(
+        len(groups_of(step["samples"])) == 4 for step in history if step["consumed"] and step is not history[-1]
+    )
     assert max(step["carried"] for step in history) > 0  # long groups were carried over...
     deferred = [s for step in history for s in step["samples"] if s.info["deferred_steps"].item() > 0]
     assert deferred  # ...and trained in a later step
@@ -87,7 +89,9 @@ def test_overdue_groups_are_waited_for(pipeline, workload):
         assert all(s.info["deferred_steps"].item() <= 1 for s in step["samples"])
 
 
-def test_checkpoint_with_groups_in_flight_resumes_exactly_once_in_a_new_process(pipeline, workload, tmp_path, checkpoints):
+def test_checkpoint_with_groups_in_flight_resumes_exactly_once_in_a_new_process(
+    pipeline, workload, tmp_path, checkpoints
+):
     path = workload(LONG_TAIL, seed=23)
     first = run_epochs(pipeline, path, epochs=1, batch=4, delta=3, steps=2)
     assert first[-1]["carried"] > 0  # the checkpoint is taken with groups in flight

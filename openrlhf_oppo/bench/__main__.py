@@ -64,10 +64,13 @@ def main():
     args.scratch = args.scratch or args.out
     workdir = args.workdir or os.path.join(args.scratch, "workload")
     os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.scratch, exist_ok=True)
     # One prompt group per step more than measured, so that overcommit has prompts to draw on.
     prompts = args.batch * (args.warmup + args.steps + 1)
     params = dict(mean=args.mean, sigma=args.sigma, low=args.low, high=args.high)
-    _, _, workload = build(workdir, args.shape, "bfloat16", prompts, args.lengths, args.seed, args.prompt_tokens, **params)
+    _, _, workload = build(
+        workdir, args.shape, "bfloat16", prompts, args.lengths, args.seed, args.prompt_tokens, **params
+    )
 
     results = dict(
         command=" ".join(["python -m openrlhf_oppo.bench"] + sys.argv[1:]),
@@ -129,7 +132,9 @@ def run_system(system, flags, args) -> dict:
         wall_s=time.time() - started,
         steps=steps,
         log_tail=open(log_path, errors="replace").read()[-4000:],
-        gpu_samples=[s for s in monitor.samples if measured and measured[0]["start"] - 5 <= s[0] <= measured[-1]["end"]],
+        gpu_samples=[
+            s for s in monitor.samples if measured and measured[0]["start"] - 5 <= s[0] <= measured[-1]["end"]
+        ],
     )
     if measured:
         result["gpu_utilization"] = monitor.mean_utilization(measured[0]["start"], measured[-1]["end"])
@@ -152,7 +157,9 @@ def _stop(process) -> None:
 
 def _gpu_names():
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
         return [line.strip() for line in out.stdout.splitlines() if line.strip()]
     except FileNotFoundError:
         return []

@@ -90,13 +90,13 @@ def table(results: dict) -> str:
             lines.append(f"| {name} | failed (rc {result.get('returncode')}) |" + " |" * 11)
             continue
         util = result.get("gpu_utilization", [])
-        speedup = base.get("step_mean_s", 0) / s["step_mean_s"] if base else float("nan")
-        util_ratio = _mean(util) / base_util if base_util else float("nan")
+        speedup = f"{base['step_mean_s'] / s['step_mean_s']:.2f}x" if base else "-"
+        util_ratio = f"{_mean(util) / base_util:.2f}x" if base_util and util else "-"
         lines.append(
             f"| {name} | {s['step_mean_s']:.2f} | {s['step_p50_s']:.2f} | {s['step_p90_s']:.2f}"
             f" | {s['generation_s']:.2f} | {s['make_experience_s']:.2f} | {s['ppo_train_s']:.2f}"
             f" | {s['broadcast_s']:.2f} | {s['other_s']:.2f} | {s['tokens_per_s']:.0f}"
-            f" | {' / '.join(f'{u:.0f}' for u in util) or '-'} | {speedup:.2f}x | {util_ratio:.2f}x |"
+            f" | {' / '.join(f'{u:.0f}' for u in util) or '-'} | {speedup} | {util_ratio} |"
         )
     oppo = [(n, r["summary"]) for n, r in systems.items() if r.get("summary") and n.startswith("oppo")]
     if oppo:
@@ -119,7 +119,9 @@ def plot_breakdown(results: dict, path: str) -> None:
         for phase, color in zip(PHASES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52")):
             ax.barh(i, s[f"{phase}_s"], left=left, color=color, label=phase if i == 0 else None)
             left += s[f"{phase}_s"]
-        ax.plot([s["step_mean_s"]] * 2, [i - 0.4, i + 0.4], color="black", lw=2, label="step (wall)" if i == 0 else None)
+        ax.plot(
+            [s["step_mean_s"]] * 2, [i - 0.4, i + 0.4], color="black", lw=2, label="step (wall)" if i == 0 else None
+        )
     ax.set_yticks(range(len(names)), names)
     ax.set_xlabel("seconds per step (phases as logged; they overlap under OPPO and async)")
     ax.legend(loc="lower right", fontsize=8)

@@ -49,7 +49,9 @@ class ChunkSizeController:
             return self.chunk_size
 
         def fits(size: int) -> bool:
-            return all(per_call / size + per_token <= self.target_utilization for per_call, per_token in models.values())
+            return all(
+                per_call / size + per_token <= self.target_utilization for per_call, per_token in models.values()
+            )
 
         target = next((size for size in CANDIDATES if fits(size)), CANDIDATES[-1])
         # One candidate per step: a step's measurements are noisy, and the next step re-measures.

@@ -211,9 +211,7 @@ class ChunkScorer:
             return
 
         def needed() -> int:
-            return sum(
-                (s.cached + extra.get(id(s), 0)) * per_token for s in self._sequences.values() if not s.evicted
-            )
+            return sum((s.cached + extra.get(id(s), 0)) * per_token for s in self._sequences.values() if not s.evicted)
 
         victims = sorted((s for s in self._sequences.values() if not s.evicted), key=lambda s: -s.admitted)
         for victim in victims:
