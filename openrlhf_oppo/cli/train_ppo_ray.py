@@ -7,7 +7,7 @@ unchanged (``runpy``) with three hooks around it:
    ``--bench.*`` flags, read ahead);
 2. when upstream parses its arguments, the OPPO group is added to the same parser, so ``--help``
    lists it and the dotted flags land in ``args.oppo`` like upstream's own groups;
-3. when upstream hierarchizes them, ``config.validate`` checks them all (bad values and unsupported
+3. when upstream hierarchizes them, ``extension.configure`` checks them all (bad values and unsupported
    combinations fail here, before Ray starts) and ``--oppo.colocate_models`` swaps the placement.
 
 Without OPPO flags the run is upstream's, step for step.
@@ -49,12 +49,9 @@ def _upstream_hooks(train=None):
 
     def hierarchize_and_validate(args):
         args = hierarchize(args)
-        config.validate(args)
-        print(f"[openrlhf-oppo] {config.describe(args)}", flush=True)
+        extension.configure(args)
         if args.oppo.colocate_models:
             extension.replace_placement(sys.modules["__main__"].__dict__)
-            # Upstream's experience maker and trainer then treat the shared GPUs as colocated.
-            args.train.colocate_actor_ref = args.train.colocate_critic_reward = True
         if train is not None:
             sys.modules["__main__"].__dict__["train"] = train
         return args

@@ -1,0 +1,98 @@
+"""patches/openrlhf: they apply, in order, to the installed OpenRLHF 0.11.2; with them applied, upstream's
+own train_ppo_ray loads OPPO as an extension, and OPPO's wrapper keeps working."""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import openrlhf
+import pytest
+
+PATCHES = sorted((Path(__file__).resolve().parents[1] / "patches" / "openrlhf").glob("*.patch"))
+BASE = "--actor.model_name_or_path m --reward.model_name_or_path m --vllm.num_engines 1 --rollout.batch_size 16"
+BASE += "".join(f" --{role}.num_gpus_per_node 2" for role in ("actor", "critic", "reward", "ref"))
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory):
+    """A copy of the installed openrlhf with the patches applied (``git apply`` works outside a repository)."""
+    root = tmp_path_factory.mktemp("patched")
+    shutil.copytree(Path(openrlhf.__file__).parent, root / "openrlhf")
+    for patch in PATCHES:
+        result = subprocess.run(["git", "apply", "-p1", str(patch)], cwd=root, capture_output=True, text=True)
+        assert result.returncode == 0, f"{patch.name} does not apply: {result.stderr}"
+    return root
+
+
+def run(patched, code):
+    """``code`` in a fresh interpreter that imports the patched openrlhf first."""
+    preamble = f"import sys; sys.path.insert(0, {str(patched)!r})\n"
+    result = subprocess.run(
+        [sys.executable, "-c", preamble + textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+def test_there_are_patches():
+    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003"]
+
+
+def test_upstream_cli_loads_oppo_as_an_extension(patched):
+    out = run(
+        patched,
+        f"""
+        import runpy, sys
+        import openrlhf, openrlhf.utils, ray
+        assert openrlhf.__file__.startswith({str(patched)!r})
+
+        class Captured(Exception):
+            pass
+
+        def capture(args):  # stop where train() starts, and show what it would build
+            components = sys.modules["__main__"].COMPONENTS
+            raise Captured(args, components)
+
+        ray.is_initialized = lambda: True
+        openrlhf.utils.get_strategy = capture
+        sys.argv = ["train_ppo_ray"] + {BASE!r}.split() + ["--oppo.enable", "--oppo.colocate_models"]
+        try:
+            runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+        except Captured as captured:
+            args, components = captured.args
+            print("trainer", components["trainer"].__ray_actor_class__.__name__)
+            print("rollout", components["rollout"].__ray_actor_class__.__name__)
+            print("streamed", args.oppo.streamed_models, "colocate_models", args.train.colocate_models)
+        """,
+    )
+    assert "trainer OPPOTrainer" in out and "rollout OPPORolloutActor" in out
+    assert "colocate_models True" in out and "'reward', 'critic', 'ref', 'actor'" in out
+
+
+def test_oppo_wrapper_works_with_the_patches(patched):
+    out = run(
+        patched,
+        f"""
+        from openrlhf_oppo.cli.train_ppo_ray import parse_args
+        args = parse_args({BASE!r}.split() + ["--oppo.enable", "--oppo.overcommit", "3"])
+        print("overcommit", args.oppo.overcommit, "inter", args.oppo.inter_step)
+        args = parse_args({BASE!r}.split())
+        print("enable", args.oppo.enable)
+        """,
+    )
+    assert "overcommit 3 inter True" in out and "enable False" in out
+
+
+def test_patched_cli_help_lists_the_new_placement_and_oppo_options(patched):
+    out = run(
+        patched,
+        """
+        import subprocess, sys
+        help = subprocess.run([sys.executable, "-m", "openrlhf.cli.train_ppo_ray", "--help"],
+                              capture_output=True, text=True, env={"PYTHONPATH": sys.path[0], "PATH": ""}).stdout
+        print("colocate_models" in help, "--oppo.enable" in help)
+        """,
+    )
+    assert out.split()[-2:] == ["True", "True"]
