@@ -51,6 +51,8 @@ def parse():
     parser.add_argument("--cache_budget_gb", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per system before it is stopped")
+    parser.add_argument("--extra", action="append", default=[], help="a train_ppo_ray flag for every system (repeat)")
+    parser.add_argument("--tag", default="", help="appended to the system names in the results (a seed, say)")
     parser.add_argument("--workdir", default=None, help="where checkpoints and prompts go (default OUT/workload)")
     parser.add_argument("--out", required=True, help="results.json, table.md and the plots")
     parser.add_argument("--scratch", default=None, help="logs, tensorboard, traces, checkpoints (default OUT)")
@@ -83,21 +85,25 @@ def main():
     )
     path = os.path.join(args.out, "results.json")
     for system in tqdm(systems, desc="systems"):
-        flags = common_flags(
-            workdir,
-            args.scratch,
-            system,
-            args.placement,
-            args.gpus,
-            args.batch,
-            args.n_samples,
-            args.warmup + args.steps + 1,
-            args.high,
-            args.prompt_tokens,
-            args.seed,
-            args.cache_budget_gb,
-        ) + system_flags(system, args.placement, overcommit)
-        results["systems"][system] = run_system(system, flags, args)
+        flags = (
+            common_flags(
+                workdir,
+                args.scratch,
+                system,
+                args.placement,
+                args.gpus,
+                args.batch,
+                args.n_samples,
+                args.warmup + args.steps + 1,
+                args.high,
+                args.prompt_tokens,
+                args.seed,
+                args.cache_budget_gb,
+            )
+            + system_flags(system, args.placement, overcommit)
+            + args.extra
+        )
+        results["systems"][system + args.tag] = run_system(system, flags, args)
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
     report.write(results, args.out)

@@ -166,6 +166,32 @@ def plot_timeline(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_convergence(results: dict, path: str) -> None:
+    """Mean reward against step and against wall-clock time, every system on the same axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, result in results["systems"].items():
+        steps = result.get("steps") or []
+        if not steps:
+            continue
+        rewards = [s.get("rollout/reward_mean", float("nan")) for s in steps]
+        start = steps[0]["start"]
+        by_step.plot([s["step"] for s in steps], rewards, label=name)
+        by_time.plot([(s["end"] - start) / 60 for s in steps], rewards, label=name)
+    by_step.set_xlabel("PPO step")
+    by_time.set_xlabel("wall-clock minutes")
+    by_step.set_ylabel("rollout/reward_mean")
+    by_step.legend(fontsize=8)
+    fig.suptitle(_title(results), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write(results: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "table.md"), "w") as f:
@@ -173,6 +199,8 @@ def write(results: dict, out: str) -> None:
     try:
         plot_breakdown(results, os.path.join(out, "breakdown.png"))
         plot_timeline(results, os.path.join(out, "timeline.png"))
+        if max(len(r.get("steps") or []) for r in results["systems"].values()) >= 10:
+            plot_convergence(results, os.path.join(out, "convergence.png"))
     except ImportError:
         print("matplotlib is not installed: no plots")
 

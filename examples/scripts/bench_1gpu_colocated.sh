@@ -1,0 +1,12 @@
+#!/bin/bash
+# One GPU, everything colocated (upstream's hybrid engine: vLLM and DeepSpeed sleep in turn).
+# Decides --oppo.intra_step auto under --train.colocate_all: OPPO must not make this step slower.
+# (Upstream async needs GPUs of its own for vLLM, so it is not in this placement.)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+python3 -m openrlhf_oppo.bench --gpus 1 --placement colocated --shape qwen2.5-1.5b \
+  --systems "${SYSTEMS:-upstream-sync,oppo-intra,oppo-inter,oppo-both}" \
+  --batch 32 --steps "${STEPS:-3}" --warmup 1 --overcommit "${DELTA:-16}" \
+  --lengths lognormal --mean 500 --sigma 1.0 --high 4096 \
+  --timeout 400 --workdir /tmp/oppo-wl --scratch /tmp/oppo-1gpu --out "${OUT_DIR:-runs/1gpu}"

@@ -1,0 +1,26 @@
+#!/bin/bash
+# NOT RUN HERE (8 GPUs and downloads). The paper's first setting: Qwen2.5-7B-Instruct actor and a 7B
+# reward model on Stack-Exchange-Paired. OPPO by default; the upstream twin is the same run without the
+# --oppo.* flags (ppo_qwen2.5_7b_stackexchange_upstream.sh).
+# Placement: 4 GPUs for vLLM engines, 4 for actor, critic, reward and reference (--oppo.colocate_models).
+# REWARD_MODEL: a Qwen2.5-7B reward model trained on Stack-Exchange-Paired preferences (the paper trains
+# its own; OpenRLHF's train_rm makes one).
+set -euo pipefail
+: "${REWARD_MODEL:?set REWARD_MODEL to a 7B reward model trained on Stack-Exchange-Paired}"
+OPPO_FLAGS="--oppo.enable --oppo.overcommit auto --oppo.chunk_size auto --oppo.trace_dir ${SAVE:-ckpt}/trace"
+[ "${SYSTEM:-oppo}" = upstream ] && OPPO_FLAGS=""
+python3 -m openrlhf_oppo.cli.train_ppo_ray \
+  --actor.num_nodes 1 --actor.num_gpus_per_node 4 --critic.num_nodes 1 --critic.num_gpus_per_node 4 \
+  --reward.num_nodes 1 --reward.num_gpus_per_node 4 --ref.num_nodes 1 --ref.num_gpus_per_node 4 \
+  --oppo.colocate_models --vllm.num_engines 4 --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.85 \
+  --actor.model_name_or_path Qwen/Qwen2.5-7B-Instruct --reward.model_name_or_path "$REWARD_MODEL" \
+  --critic.model_name_or_path "$REWARD_MODEL" \
+  --data.prompt_dataset lvwerra/stack-exchange-paired --data.input_key question --data.apply_chat_template \
+  --data.max_samples 100000 --data.max_len 2048 --rollout.max_new_tokens 1024 \
+  --rollout.batch_size 112 --rollout.n_samples_per_prompt 1 --rollout.micro_batch_size 8 \
+  --train.batch_size 112 --train.micro_batch_size 2 --train.max_epochs 1 \
+  --ds.zero_stage 2 --ds.param_dtype bf16 --ds.attn_implementation flash_attention_2 \
+  --actor.gradient_checkpointing_enable --actor.adam.lr 5e-7 --critic.adam.lr 9e-6 \
+  --algo.advantage.estimator gae --algo.kl.init_coef 0.01 \
+  --ckpt.output_dir "${SAVE:-ckpt}/stackexchange-${SYSTEM:-oppo}" --logger.logging_steps 1 \
+  ${OPPO_FLAGS} "$@"

@@ -1,0 +1,3 @@
+#!/bin/bash
+# The upstream twin of ppo_qwen2.5_7b_stackexchange.sh: the same run, OpenRLHF alone (no --oppo.* flags).
+SYSTEM=upstream exec bash "$(dirname "$0")/ppo_qwen2.5_7b_stackexchange.sh" "$@"
