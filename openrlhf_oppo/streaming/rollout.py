@@ -66,12 +66,15 @@ class ChunkOutbox:
         self._in_flight: Dict[tuple, set] = {}
         self._wake = asyncio.Event()
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
-        self.calls = 0
 
     def put(self, chunk: Chunk) -> None:
         for model, ranks in self.scorers.items():
             self._queues.setdefault((model, route(chunk.uid, len(ranks))), []).append(chunk)
         self._wake.set()
+
+    def hold(self, held: bool) -> None:
+        self.held = held
+        self._wake.set()  # whatever waited goes now, if released
 
     def flush(self, uids=None) -> List[ray.ObjectRef]:
         """Send the queued chunks of ``uids`` (all if None) now, held or not; return every call not yet done."""
@@ -105,7 +108,6 @@ class ChunkOutbox:
             return
         model, rank = key
         ref = self.scorers[model][rank].oppo_prefill.remote(chunks)
-        self.calls += 1
         self._in_flight.setdefault(key, set()).add(ref)
         asyncio.get_running_loop().create_task(self._landed(key, ref))
 
@@ -178,7 +180,6 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
         self.weight_version = 0
         self.outbox: Optional[ChunkOutbox] = None
         self.salt_prompts = False  # set by oppo_connect when requests outlive weight updates
-        self.decode_stats = dict(tokens=0, seconds=0.0)
         self.active_requests, self.active_since = 0, 0.0
         self.streams = set()  # samples being generated
 
@@ -198,19 +199,12 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
     def oppo_hold(self, held: bool) -> None:
         """Keep chunks queued (``True``) or send them as they come (``False``)."""
         if self.outbox is not None:
-            self.outbox.held = held
-            self.outbox._wake.set()
+            self.outbox.hold(held)
 
     def oppo_flush(self, uids=None) -> List[ray.ObjectRef]:
         """Send the queued chunks of ``uids`` (all if None) now; return the prefill calls still running
         (wait on them before collecting scores)."""
         return self.outbox.flush(set(uids) if uids is not None else None) if self.outbox is not None else []
-
-    def oppo_stats(self) -> dict:
-        """Decode rate per sequence since the last call, for the chunk-size controller."""
-        stats, self.decode_stats = self.decode_stats, dict(tokens=0, seconds=0.0)
-        stats["prefill_calls"] = self.outbox.calls if self.outbox else 0
-        return stats
 
     def oppo_drain_trace(self) -> list:
         return self.tracer.drain()
@@ -317,18 +311,15 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
 
         stream.begin_turn(prompt_token_ids, self.weight_version)
         token_ids, logprobs, text = [], [], []
-        final_output, started = None, None
+        final_output = None
         async for output in self.llm.generate(prompt, params, request_id=random_uuid()):
             delta = output.outputs[0]
-            started = started or time.time()
             token_ids.extend(delta.token_ids)
             text.append(delta.text)
             if delta.logprobs is not None:
                 logprobs.extend(delta.logprobs)
             stream.extend(list(delta.token_ids), self.weight_version)
             final_output = output
-        self.decode_stats["tokens"] += len(token_ids)
-        self.decode_stats["seconds"] += time.time() - (started or time.time())
 
         # Rebuild the cumulative output upstream's executors read.
         completion = final_output.outputs[0]

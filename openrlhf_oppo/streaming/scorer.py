@@ -49,7 +49,6 @@ class ScoredSequence:
     prompt_len: int
     version: int
     streamed_tokens: int  # tokens prefilled before the sequence's last chunk arrived
-    total_tokens: int
     prefilled: List[tuple] = field(default_factory=list)  # (time the prefill ended, tokens), per call
     tokens: List[int] = field(default_factory=list)  # to score it again if the weights change first
 
@@ -367,7 +366,6 @@ class ChunkScorer:
             prompt_len=seq.prompt_len,
             version=seq.version,
             streamed_tokens=seq.streamed_tokens,
-            total_tokens=length,
             prefilled=seq.prefilled,
             tokens=seq.tokens,
         )
