@@ -12,6 +12,14 @@ import pytest
 ENGINE_NAME = "oppo-test-engine"
 NAMESPACE = "oppo-tests"
 MAX_LEN = 256
+# The PPO settings of the engine tests (also used by resume_helper.py in its own process).
+PPO_FLAGS = [
+    "--rollout.batch_size", "4",
+    "--rollout.n_samples_per_prompt", "2",
+    "--rollout.micro_batch_size", "3",
+    "--data.max_len", str(MAX_LEN),
+    "--rollout.temperature", "0.9",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -50,16 +58,7 @@ def ppo_args(checkpoints, tmp_path_factory):
     from openrlhf_oppo import cpu_pipeline
 
     workdir = str(tmp_path_factory.mktemp("run"))
-    return cpu_pipeline.ppo_args(
-        workdir,
-        checkpoints["actor"],
-        checkpoints["reward"],
-        "--rollout.batch_size", "4",
-        "--rollout.n_samples_per_prompt", "2",
-        "--rollout.micro_batch_size", "3",
-        "--data.max_len", str(MAX_LEN),
-        "--rollout.temperature", "0.9",
-    )  # fmt: skip
+    return cpu_pipeline.ppo_args(workdir, checkpoints["actor"], checkpoints["reward"], *PPO_FLAGS)
 
 
 @pytest.fixture(scope="session")

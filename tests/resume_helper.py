@@ -14,20 +14,13 @@ import torch
 
 
 def main(checkpoint, prompts, out, actor, reward):
-    from conftest import ENGINE_NAME, MAX_LEN, NAMESPACE
+    from conftest import ENGINE_NAME, NAMESPACE, PPO_FLAGS
     from test_overcommit import groups_of
 
     from openrlhf_oppo import cpu_pipeline
 
     ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
-    args = cpu_pipeline.ppo_args(
-        tempfile.mkdtemp(), actor, reward,
-        "--rollout.batch_size", "4",
-        "--rollout.n_samples_per_prompt", "2",
-        "--rollout.micro_batch_size", "3",
-        "--data.max_len", str(MAX_LEN),
-        "--rollout.temperature", "0.9",
-    )  # fmt: skip
+    args = cpu_pipeline.ppo_args(tempfile.mkdtemp(), actor, reward, *PPO_FLAGS)
     pipeline = cpu_pipeline.CPUPipeline(args, actor, reward, [ray.get_actor(ENGINE_NAME)], with_models=False)
     loader = cpu_pipeline.prompt_dataloader(prompts, args, pipeline.tokenizer)
     generator = pipeline.samples_generator(loader, "overcommit", delta=3)
