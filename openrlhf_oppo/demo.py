@@ -89,12 +89,12 @@ def run_cpu(args):
 
     from openrlhf.trainer.ppo_trainer import PPOTrainer
 
-    from openrlhf_oppo.trainer import OPPOPPOTrainer
+    from openrlhf_oppo.trainer import OPPOTrainerRayActor
 
     systems = {
         "upstream-sync": (PPOTrainer, []),
-        "oppo-intra": (OPPOPPOTrainer, ["--oppo.enable", "--oppo.overcommit", "0", "--oppo.chunk_size", "8"]),
-        "oppo-both": (OPPOPPOTrainer, ["--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8"]),
+        "oppo-intra": (OPPOTrainerRayActor, ["--oppo.enable", "--oppo.overcommit", "0", "--oppo.chunk_size", "8"]),
+        "oppo-both": (OPPOTrainerRayActor, ["--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8"]),
     }
     results = dict(
         command="python -m openrlhf_oppo.demo " + " ".join(sys.argv[1:]),

@@ -48,14 +48,14 @@ def configure(args) -> None:
     components.update(rollout=OPPORolloutRayActor, rollout_kwargs=dict(oppo_config=vars(rollout)))
     if args.oppo.enable:
         from openrlhf_oppo.streaming import actors
-        from openrlhf_oppo.trainer import OPPOPPOTrainer
+        from openrlhf_oppo.trainer import OPPOTrainerRayActor
 
         components.update(
             policy=actors.StreamingPolicyModelRayActor,
             critic=actors.StreamingCriticModelRayActor,
             reward=actors.StreamingRewardModelRayActor,
             reference=actors.StreamingReferenceModelRayActor,
-            trainer=OPPOPPOTrainer,
+            trainer=OPPOTrainerRayActor,
         )
 
 
@@ -72,13 +72,13 @@ def install(enable: bool, lengths_from_label: bool = False, trace: bool = False)
         return
 
     from openrlhf_oppo.streaming import actors
-    from openrlhf_oppo.trainer import OPPOPPOTrainer
+    from openrlhf_oppo.trainer import OPPOTrainerRayActor
 
     launcher.RewardModelActor = actors.StreamingRewardModelRayActor
     launcher.ReferenceModelActor = actors.StreamingReferenceModelRayActor
     ppo_critic.CriticModelActor = actors.StreamingCriticModelRayActor
     ppo_actor.PolicyModelActor = actors.StreamingPolicyModelRayActor
-    ppo_trainer.PPOTrainer = OPPOPPOTrainer
+    ppo_trainer.PPOTrainer = OPPOTrainerRayActor
 
 
 def replace_placement(driver_globals: dict) -> None:

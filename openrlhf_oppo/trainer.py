@@ -216,4 +216,4 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         write_trace(os.path.join(self.args.oppo.trace_dir, f"step_{global_step:05d}.json"), events)
 
 
-OPPOPPOTrainer = ray.remote(OPPOTrainer)
+OPPOTrainerRayActor = ray.remote(OPPOTrainer)

@@ -36,9 +36,9 @@ def run(checkpoints, engine, workdir, prompts, *extra):
     )  # fmt: skip
     pipeline = cpu_pipeline.CPUPipeline(args, checkpoints["actor"], checkpoints["reward"], [engine])
     try:
-        from openrlhf_oppo.trainer import OPPOPPOTrainer
+        from openrlhf_oppo.trainer import OPPOTrainerRayActor
 
-        pipeline.run_ppo(OPPOPPOTrainer)
+        pipeline.run_ppo(OPPOTrainerRayActor)
     finally:
         ray.get(engine.oppo_resume.remote(0, resume=False))
         for group in pipeline.groups.values():
