@@ -32,7 +32,7 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
     def make_experience_batch(self, rollout_samples: List[Experience]) -> List[Experience]:
         self._streams = [getattr(sample, "oppo", None) for sample in rollout_samples]
         self._scored: Dict[str, List[Optional[ScoredSequence]]] = {}
-        self._counts = dict(streamed=0, total=0, fallback_batches=0, batches=0)
+        self._counts = dict(streamed=0, total=0, fallback_batches=0)
         self._flushed_at = None
         experiences = super().make_experience_batch(rollout_samples)
 
@@ -59,7 +59,6 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
         for index, samples in enumerate(self._samples_list):
             output = self._assemble(model, samples, scored)
             outputs.append(output)
-            self._counts["batches"] += 1
             if output is None:
                 missing.append(index)
         if missing:
