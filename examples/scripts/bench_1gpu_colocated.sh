@@ -9,4 +9,4 @@ python3 -m openrlhf_oppo.bench --gpus 1 --placement colocated --shape qwen2.5-1.
   --systems "${SYSTEMS:-upstream-sync,oppo-intra,oppo-inter,oppo-both}" \
   --batch 32 --steps "${STEPS:-3}" --warmup 1 --overcommit "${DELTA:-16}" \
   --lengths lognormal --mean 500 --sigma 1.0 --high 4096 \
-  --timeout 400 --workdir /tmp/oppo-wl --scratch /tmp/oppo-1gpu --out "${OUT_DIR:-runs/1gpu}"
+  --timeout 400 --workdir /tmp/oppo-wl-1gpu --scratch /tmp/oppo-1gpu --out "${OUT_DIR:-runs/1gpu}"

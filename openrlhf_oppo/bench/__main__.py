@@ -26,7 +26,7 @@ import time
 from tqdm import tqdm
 
 from openrlhf_oppo.bench import report
-from openrlhf_oppo.bench.monitor import GPUMonitor
+from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus
 from openrlhf_oppo.bench.systems import SYSTEMS, common_flags, system_flags
 from openrlhf_oppo.bench.workload import build
 
@@ -77,7 +77,12 @@ def main():
     results = dict(
         command=" ".join(["python -m openrlhf_oppo.bench"] + sys.argv[1:]),
         date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        machine=dict(gpus=_gpu_names(), host=platform.node(), python=platform.python_version()),
+        machine=dict(
+            gpus=_gpu_names(),
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            host=platform.node(),
+            python=platform.python_version(),
+        ),
         versions=_versions(),
         settings=dict(vars(args), overcommit=overcommit, prompts=prompts),
         workload=workload,
@@ -166,9 +171,10 @@ def _gpu_names():
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
         )
-        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
     except FileNotFoundError:
         return []
+    names = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    return [names[i] for i in visible_gpus(len(names))]
 
 
 def _versions():

@@ -1,5 +1,6 @@
 """GPU utilization sampled with NVML while a system runs (nothing is sampled where NVML is absent)."""
 
+import os
 import threading
 import time
 
@@ -20,7 +21,7 @@ class GPUMonitor:
         except Exception:  # noqa: BLE001 - no NVIDIA driver: a CPU machine
             return self
         self._nvml = pynvml
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in visible_gpus(pynvml.nvmlDeviceGetCount())]
         self.names = [_text(pynvml.nvmlDeviceGetName(h)) for h in handles]
         self._thread = threading.Thread(target=self._run, args=(handles,), daemon=True)
         self._thread.start()
@@ -44,6 +45,15 @@ class GPUMonitor:
         if not window:
             return []
         return [sum(column) / len(window) for column in zip(*window)]
+
+
+def visible_gpus(count: int) -> list:
+    """NVML indices of the GPUs this run may use: CUDA_VISIBLE_DEVICES where it lists indices (one machine
+    can then hold several benchmarks side by side, each sampling only its own GPUs), else all of them."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    if all(v.strip().isdigit() for v in visible):
+        return [int(v) for v in visible if int(v) < count]
+    return list(range(count))
 
 
 def _text(value):
