@@ -151,6 +151,12 @@ BENCH_OPTIONS = {
         help="Benchmark workload: each prompt's label is its response length in tokens (max_tokens=label, "
         "ignore_eos), so every system decodes the same lengths. Use with --data.label_key.",
     ),
+    "seed_prompt_order": dict(
+        action="store_true",
+        default=False,
+        help="Benchmark workload: shuffle the prompts with a generator seeded from --train.seed, so that every "
+        "run sees them in the same order (upstream's trainer shuffles them with an unseeded generator).",
+    ),
 }
 
 

@@ -14,6 +14,7 @@ and the experience maker) are replaced by ``OPPOTrainer.__init__``, not here.
 | ppo_actor.PolicyModelActor                 | streaming.actors.StreamingPolicyModelActor    | --oppo.enable |
 | ppo_trainer.PPOTrainer                     | trainer.OPPOTrainer             | --oppo.enable                     |
 | train_ppo_ray.train (the placement)        | placement.train                 | --oppo.colocate_models            |
+| deepspeed.DeepspeedStrategy (get_strategy) | bench.seeded_order.SeededOrderStrategy | --bench.seed_prompt_order  |
 | (in OPPOTrainer) SamplesGenerator          | samples.OPPOSamplesGenerator / overcommit.sampler.OvercommitSamplesGenerator | --oppo.enable |
 | (in OPPOTrainer) RemoteExperienceMaker     | streaming.experience.StreamingExperienceMaker | a model streams |
 
@@ -35,6 +36,10 @@ add_arguments = config.add_arguments
 def configure(args) -> None:
     """Upstream's extension hook (patches/openrlhf/0001): check the args and choose OPPO's classes."""
     config.validate(args)
+    if args.bench.seed_prompt_order:
+        from openrlhf_oppo.bench import seeded_order
+
+        seeded_order.install()
     if args.oppo.colocate_models:
         # Upstream's experience maker and trainer then treat the shared GPUs as colocated.
         args.train.colocate_models = args.train.colocate_actor_ref = args.train.colocate_critic_reward = True

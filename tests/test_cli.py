@@ -1,5 +1,6 @@
 """The wrapper CLI: upstream's flags unchanged, the --oppo group, and clear errors before anything starts."""
 
+import json
 import runpy
 import subprocess
 import sys
@@ -121,3 +122,25 @@ def test_colocate_models_without_oppo_marks_models_colocated():
     args = parse_args(BASE + ["--oppo.colocate_models"])
     assert args.oppo.colocate_models and not args.oppo.enable
     assert args.train.colocate_actor_ref and args.train.colocate_critic_reward
+
+
+ORDER = """
+import json, sys
+from openrlhf.utils import get_strategy
+from openrlhf_oppo.cli.train_ppo_ray import parse_args
+loader = get_strategy(parse_args(sys.argv[1:])).setup_dataloader(list(range(64)), 1, True, True, None)
+print(json.dumps([int(i) for i in loader]))
+"""
+
+
+def _prompt_order(*flags):
+    """The order in which a fresh trainer process draws 64 prompts (a new process: a new default generator)."""
+    done = subprocess.run([sys.executable, "-c", ORDER, *BASE, *flags], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_seed_prompt_order_fixes_the_order_upstream_leaves_to_chance():
+    seeded = [_prompt_order("--bench.seed_prompt_order", "--train.seed", "3") for _ in range(2)]
+    assert seeded[0] == seeded[1] != list(range(64))
+    assert _prompt_order("--bench.seed_prompt_order", "--train.seed", "4") != seeded[0]
+    assert _prompt_order() != _prompt_order()  # upstream: another order in every process

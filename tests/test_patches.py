@@ -37,7 +37,7 @@ def run(patched, code):
 
 
 def test_there_are_patches():
-    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003"]
+    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004"]
 
 
 def test_upstream_cli_loads_oppo_as_an_extension(patched):
@@ -96,3 +96,15 @@ def test_patched_cli_help_lists_the_new_placement_and_oppo_options(patched):
         """,
     )
     assert out.split()[-2:] == ["True", "True"]
+
+
+def test_patched_prompt_shuffle_is_the_same_in_every_process(patched):
+    code = """
+        from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+        strategy = DeepspeedStrategy.__new__(DeepspeedStrategy)  # setup_dataloader needs only the seed here
+        strategy.seed = 5
+        print([int(i) for i in strategy.setup_dataloader(list(range(64)), 1, True, True, None)])
+        """
+    first = run(patched, code).splitlines()[-1]
+    assert first == run(patched, code).splitlines()[-1] != str(list(range(64)))

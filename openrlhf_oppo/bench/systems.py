@@ -74,6 +74,7 @@ def common_flags(
         "--data.input_key", "input",
         "--data.label_key", "length",
         "--bench.lengths_from_label",
+        "--bench.seed_prompt_order",
         "--ds.zero_stage", "2",
         "--ds.param_dtype", "bf16",
         "--ds.attn_implementation", "sdpa",

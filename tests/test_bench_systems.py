@@ -1,0 +1,28 @@
+"""Every system the benchmark compares is a valid train_ppo_ray command (upstream's parser and OPPO's checks)."""
+
+import pytest
+from openrlhf.utils import deepspeed
+
+from openrlhf_oppo.bench.systems import SYSTEMS, common_flags, system_flags
+from openrlhf_oppo.cli.train_ppo_ray import parse_args
+
+
+@pytest.mark.parametrize("placement,gpus", [("split", 2), ("colocated", 1)])
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatch):
+    if system == "upstream-async" and placement == "colocated":
+        with pytest.raises(ValueError, match="GPUs of its own"):
+            system_flags(system, placement, 16)
+        return
+    # --bench.seed_prompt_order swaps the strategy class; undo that after the test.
+    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
+    flags = common_flags("/w", "/o", system, placement, gpus, 32, 1, 5, 4096, 64, 0, 2.0)
+    args = parse_args(flags + system_flags(system, placement, 16))
+    assert args.bench.lengths_from_label and args.bench.seed_prompt_order
+    assert deepspeed.DeepspeedStrategy.__name__ == "SeededOrderStrategy"
+    assert args.oppo.enable == system.startswith("oppo")
+    assert args.train.async_enable == (system == "upstream-async")
+    assert args.oppo.colocate_models == (placement == "split" and system != "upstream-async")
+    if system.startswith("oppo"):
+        assert args.oppo.inter_step == (system != "oppo-intra")
+        assert bool(args.oppo.streamed_models) == (system != "oppo-inter")
