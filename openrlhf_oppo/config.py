@@ -116,6 +116,17 @@ OPTIONS = {
         ),
         2,
     ),
+    "top_up": (
+        dict(
+            choices=["step_start", "step_end"],
+            help="When the sampler tops the groups in flight up to batch_size + Delta. 'step_start': new prompts "
+            "start with the newest weights. 'step_end': they start before training, so that the vLLM GPUs decode "
+            "through training and the weight sync, as in upstream's async mode (their tokens before the update "
+            "come from the previous policy); needs vLLM apart from the models (not --train.colocate_all). "
+            "Logged as oppo/topped_up_at_step_end.",
+        ),
+        "step_start",
+    ),
     "carry_kv": (
         dict(
             choices=["recompute", "keep"],
@@ -250,6 +261,12 @@ def _check_oppo(args) -> None:
             "--oppo.carry_kv keep needs the KV cache to survive between steps, but --vllm.enable_sleep drops it: "
             "use --oppo.carry_kv recompute (carried requests are re-prefilled on wake) or drop --vllm.enable_sleep."
         )
+    if oppo.top_up == "step_end" and (args.train.colocate_all or oppo.overcommit == 0):
+        raise OPPOConfigError(
+            "--oppo.top_up step_end starts the next step's prompts during training, so it needs inter-step overlap "
+            "(--oppo.overcommit > 0 or auto) and vLLM engines on GPUs of their own (not --train.colocate_all, where "
+            "they wait or sleep through training): use --oppo.top_up step_start there."
+        )
     if oppo.overcommit_max is not None and oppo.overcommit_min > oppo.overcommit_max:
         raise OPPOConfigError(
             f"--oppo.overcommit_min ({oppo.overcommit_min}) is above --oppo.overcommit_max ({oppo.overcommit_max})."
@@ -295,5 +312,8 @@ def describe(args) -> str:
         return "OPPO off" + (" (models colocated, vLLM apart)" if oppo.colocate_models else "")
     parts = [f"intra-step streaming of {', '.join(oppo.streamed_models)}" if oppo.streamed_models else "no streaming"]
     if oppo.inter_step:
-        parts.append(f"overcommit {oppo.overcommit} (start {oppo.overcommit_initial}), carry_kv {oppo.carry_kv}")
+        parts.append(
+            f"overcommit {oppo.overcommit} (start {oppo.overcommit_initial}), carry_kv {oppo.carry_kv}, "
+            f"top-up at {oppo.top_up.replace('_', ' ')}"
+        )
     return "OPPO on: " + "; ".join(parts)

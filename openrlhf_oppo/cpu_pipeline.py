@@ -244,6 +244,7 @@ class CPUPipeline:
             controller=controller,
             max_defer_steps=overcommit.get("max_defer_steps", 2),
             pause_between_steps=False,
+            top_up_at_step_end=overcommit.get("top_up_at_step_end", False),
         )
 
     def experience_maker(self, streamed: bool):

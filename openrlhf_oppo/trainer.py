@@ -99,6 +99,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             controller=controller,
             max_defer_steps=oppo.max_defer_steps,
             pause_between_steps=args.train.colocate_all and not args.vllm.enable_sleep,
+            top_up_at_step_end=oppo.top_up == "step_end",
         )
 
     # -- set-up once the models are loaded ----------------------------------------------------

@@ -10,7 +10,7 @@ from openrlhf_oppo.cli.train_ppo_ray import parse_args
 @pytest.mark.parametrize("placement,gpus", [("split", 2), ("colocated", 1)])
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatch):
-    if system == "upstream-async" and placement == "colocated":
+    if system in ("upstream-async", "oppo-both-early") and placement == "colocated":
         with pytest.raises(ValueError, match="GPUs of its own"):
             system_flags(system, placement, 16)
         return
@@ -25,4 +25,5 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
     assert args.oppo.colocate_models == (placement == "split" and system != "upstream-async")
     if system.startswith("oppo"):
         assert args.oppo.inter_step == (system != "oppo-intra")
+        assert args.oppo.top_up == ("step_end" if system == "oppo-both-early" else "step_start")
         assert bool(args.oppo.streamed_models) == (system != "oppo-inter")

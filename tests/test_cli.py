@@ -79,6 +79,8 @@ def test_help_lists_every_oppo_option():
         (["--oppo.enable", "--ds.lora.rank", "8"], "--ds.lora.rank"),
         (["--oppo.enable", "--train.colocate_all", "--vllm.enable_sleep", "--oppo.carry_kv", "keep"], "carry_kv"),
         (["--oppo.enable", "--oppo.overcommit_min", "5", "--oppo.overcommit_max", "2"], "overcommit_min"),
+        (["--oppo.enable", "--train.colocate_all", "--oppo.top_up", "step_end"], "not --train.colocate_all"),
+        (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.top_up", "step_end"], "needs inter-step overlap"),
         (["--oppo.colocate_models", "--train.colocate_all"], "two different placements"),
         (["--oppo.colocate_models", "--ref.num_gpus_per_node", "1"], "--ref.num_nodes"),
     ],

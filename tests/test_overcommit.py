@@ -23,10 +23,12 @@ pytestmark = pytest.mark.engine
 LONG_TAIL = [4, 6, 3, 5, 7, 120, 4, 6, 5, 3, 150, 6, 4, 5, 7, 3, 130, 6, 4, 5]
 
 
-def run_epochs(pipeline, path, epochs, batch, delta, max_defer_steps=2, state=None, steps=None):
+def run_epochs(pipeline, path, epochs, batch, delta, max_defer_steps=2, state=None, steps=None, top_up_at_end=False):
     """Drive the overcommit sampler like PPOTrainer.fit does; return the trained groups per step."""
     loader = prompt_dataloader(path, pipeline.args, pipeline.tokenizer)
-    generator = pipeline.samples_generator(loader, "overcommit", delta=delta, max_defer_steps=max_defer_steps)
+    generator = pipeline.samples_generator(
+        loader, "overcommit", delta=delta, max_defer_steps=max_defer_steps, top_up_at_step_end=top_up_at_end
+    )
     pipeline.args.rollout.batch_size = batch
     if state is not None:
         loader.load_state_dict(state["dataloader"])
@@ -40,6 +42,8 @@ def run_epochs(pipeline, path, epochs, batch, delta, max_defer_steps=2, state=No
                     samples=samples,
                     consumed=consumed,
                     carried=generator.metrics["oppo/carried_groups"],
+                    in_flight_for_next_step=len(generator.groups),
+                    loader_done=generator._iter_done,
                     state=dict(dataloader=loader.state_dict(), sampler=generator.state_dict()),
                 )
             )
@@ -57,10 +61,15 @@ def groups_of(samples):
     return groups
 
 
-def test_steps_end_at_b_groups_and_carried_groups_finish_complete(pipeline, workload):
+@pytest.mark.parametrize("top_up_at_end", [False, True], ids=["top_up_step_start", "top_up_step_end"])
+def test_steps_end_at_b_groups_and_carried_groups_finish_complete(pipeline, workload, top_up_at_end):
     n = pipeline.args.rollout.n_samples_per_prompt
     path = workload(LONG_TAIL, seed=21)
-    history = run_epochs(pipeline, path, epochs=2, batch=4, delta=3)
+    history = run_epochs(pipeline, path, epochs=2, batch=4, delta=3, top_up_at_end=top_up_at_end)
+    if top_up_at_end:  # the next step's B + Delta groups are already in flight when a step ends
+        assert all(step["in_flight_for_next_step"] == 4 + 3 for step in history if not step["loader_done"])
+    else:
+        assert all(step["in_flight_for_next_step"] == step["carried"] for step in history)
 
     trained = Counter()
     for step in history:

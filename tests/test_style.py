@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PATHS = ["openrlhf_oppo", "tests", "setup.py"]
+PATHS = ["openrlhf_oppo", "tests", "examples", "setup.py"]
 
 
 @pytest.mark.parametrize(

@@ -47,15 +47,18 @@ def run(checkpoints, engine, workdir, prompts, *extra):
     return read_steps(str(workdir / "tb" / "run"))
 
 
-def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoints, engine, tmp_path):
+@pytest.mark.parametrize("top_up", ["step_start", "step_end"])
+def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoints, engine, tmp_path, top_up):
     prompts = str(tmp_path / "prompts.jsonl")
     tiny.write_prompts(prompts, LENGTHS, seed=3)
     steps = run(
         checkpoints, engine, tmp_path, prompts,
-        "--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8",
+        "--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8", "--oppo.top_up", top_up,
         "--oppo.trace_dir", str(tmp_path / "trace"),
         "--train.num_episodes", "2",
     )  # fmt: skip
+    # step_end: prompts of the next step were in flight through training and the weight update.
+    assert (max(s["oppo/topped_up_at_step_end"] for s in steps) > 0) == (top_up == "step_end")
     assert sum(s["rollout/num_samples"] for s in steps) == 2 * len(LENGTHS) * 2  # each prompt once an episode
     for step in steps:
         assert step["oppo/chunk_size"] == 8 and step["oppo/overcommit"] == 2

@@ -2,7 +2,7 @@
 # The GPU measurements of docs/RESULTS.md in one go on a 4-GPU machine, as three lanes that run at the
 # same time, each on GPUs of its own and in namespaces of its own (PID, network, mount: its own Ray
 # cluster, ports and `ray stop`, which would otherwise end the other lanes' runs):
-#   a  GPUs 0,1  bench_2gpu_split.sh: five systems, vLLM on one GPU, the four models on the other
+#   a  GPUs 0,1  bench_2gpu_split.sh: six systems, vLLM on one GPU, the four models on the other
 #   b  GPU 2     gpu_smoke.sh with OPPO off (issue 2), then bench_1gpu_colocated.sh
 #   c  GPU 3     convergence_small.sh
 # The lanes share only the host's CPUs (64 cores) and disk; every comparison is made within one lane.

@@ -8,18 +8,21 @@ that is upstream OpenRLHF (``--bench.lengths_from_label`` only fixes the respons
   ``--oppo.colocate_models`` (with OPPO off for the baseline); upstream's async trainer gets the same
   placement from ``--train.colocate_all``, which in async mode places only the DeepSpeed models together.
 * ``colocated``: everything on every GPU, upstream's hybrid engine (vLLM and DeepSpeed sleep in turn).
+
+``oppo-both-early`` is ``oppo-both`` with ``--oppo.top_up step_end``: the next step's prompts start
+decoding during training (split placement only).
 """
 
-SYSTEMS = ("upstream-sync", "upstream-async", "oppo-intra", "oppo-inter", "oppo-both")
+SYSTEMS = ("upstream-sync", "upstream-async", "oppo-intra", "oppo-inter", "oppo-both", "oppo-both-early")
 
 
 def system_flags(system: str, placement: str, overcommit: int) -> list:
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     colocated = placement == "colocated"
+    if colocated and system in ("upstream-async", "oppo-both-early"):
+        raise ValueError(f"{system} needs GPUs of its own for vLLM: use --placement split")
     if system == "upstream-async":
-        if colocated:
-            raise ValueError("upstream async needs GPUs of its own for vLLM: use --placement split")
         return ["--train.async_enable", "--train.partial_rollout_enable", "--train.colocate_all"]
 
     flags = ["--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep"] if colocated else []
@@ -30,7 +33,8 @@ def system_flags(system: str, placement: str, overcommit: int) -> list:
         return flags + ["--oppo.intra_step", "on", "--oppo.overcommit", "0"]
     if system == "oppo-inter":
         return flags + ["--oppo.intra_step", "off", "--oppo.overcommit", str(overcommit)]
-    return flags + ["--oppo.intra_step", "on", "--oppo.overcommit", str(overcommit)]
+    flags += ["--oppo.intra_step", "on", "--oppo.overcommit", str(overcommit)]
+    return flags + (["--oppo.top_up", "step_end"] if system == "oppo-both-early" else [])
 
 
 def common_flags(

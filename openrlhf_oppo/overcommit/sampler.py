@@ -3,7 +3,8 @@
 A group is one prompt with its ``n_samples_per_prompt`` samples (one ``generate_responses`` call). Each
 step tops the groups in the system up to ``B + Delta`` (B = ``--rollout.batch_size``), ends as soon as
 B groups are done, and leaves the rest running in vLLM: they are first in line next step, with their
-partial work. A group carried ``--oppo.max_defer_steps`` times is waited for.
+partial work. A group carried ``--oppo.max_defer_steps`` times is waited for. With ``--oppo.top_up
+step_end`` the top-up happens as a step ends instead, so that new prompts decode during training.
 
 Exactly once: every prompt drawn from the dataloader is in exactly one place: in flight, done and
 waiting, or returned for training. An epoch ends when the dataloader is exhausted and the carried
@@ -48,6 +49,7 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         controller: OvercommitController,
         max_defer_steps: int,
         pause_between_steps: bool,
+        top_up_at_step_end: bool = False,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -55,6 +57,8 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         self.max_defer_steps = max_defer_steps
         # Engines that share GPUs with training wait through the training phase.
         self.pause_between_steps = pause_between_steps
+        # --oppo.top_up step_end: the next step's new prompts decode during training too.
+        self.top_up_at_step_end = top_up_at_step_end
         self.groups: List[PromptGroup] = []  # carried: in flight or done and waiting, in dispatch order
         self.restored: List[PromptGroup] = []  # carried groups of a checkpoint, dispatched first
         self._iter = None
@@ -78,10 +82,14 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         self._top_up(batch + self.controller.delta, generate_kwargs)
         bth_done_at = self._wait(batch, generate_kwargs, started, stats)
         taken = self._take(batch)
+        carried = len(self.groups)
+        carried_in_flight = sum(g.experiences is None for g in self.groups)
 
         # Until the next step, carried sequences only queue their chunks: the scoring GPUs are about to
         # train, and the critic's and policy's scores would be computed with weights about to change.
         batch_vllm_engine_call(self.vllm_engines, "oppo_hold", True)
+        if self.top_up_at_step_end:
+            self._top_up(batch + self.controller.delta, generate_kwargs)
         if self.args.vllm.enable_sleep:
             batch_vllm_engine_call(self.vllm_engines, "sleep")
         elif self.pause_between_steps and self.groups:
@@ -94,8 +102,9 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
             experiences.extend(group.experiences)
         self.metrics = {
             "oppo/overcommit": float(self.controller.delta),
-            "oppo/carried_groups": float(len(self.groups)),
-            "oppo/carried_in_flight": float(sum(g.experiences is None for g in self.groups)),
+            "oppo/carried_groups": float(carried),
+            "oppo/carried_in_flight": float(carried_in_flight),
+            "oppo/topped_up_at_step_end": float(len(self.groups) - carried),
             "oppo/deferred_groups_trained": float(sum(g.deferrals > 0 for g in taken)),
             "oppo/max_deferrals_trained": float(max((g.deferrals for g in taken), default=0)),
             "oppo/bth_group_done_s": bth_done_at,
