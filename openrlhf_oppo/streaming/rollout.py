@@ -182,6 +182,7 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
         self.salt_prompts = False  # set by oppo_connect when requests outlive weight updates
         self.active_requests, self.active_since = 0, 0.0
         self.streams = set()  # samples being generated
+        self.hf_tokenizer = None  # sent once (oppo_set_tokenizer) rather than with every call
 
     # -- set-up from the trainer ---------------------------------------------------------------
 
@@ -192,6 +193,9 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
         self.outbox = ChunkOutbox(scorers) if scorers else None
         self.chunk_size = chunk_size
         self.salt_prompts = salt_prompts
+
+    def oppo_set_tokenizer(self, hf_tokenizer) -> None:
+        self.hf_tokenizer = hf_tokenizer
 
     def oppo_set_chunk_size(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
@@ -234,6 +238,9 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
     async def generate_responses(
         self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples=1, images=None
     ):
+        hf_tokenizer = hf_tokenizer if hf_tokenizer is not None else self.hf_tokenizer
+        if hf_tokenizer is None:
+            raise ValueError("generate_responses needs hf_tokenizer, or oppo_set_tokenizer first")
         if self.oppo_config.lengths_from_label:
             sampling_params = fixed_length_params(sampling_params, label)
         samples = [
