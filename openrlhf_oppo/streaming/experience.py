@@ -73,14 +73,17 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
                 outputs[index] = output
         return [ray.put(outputs)]
 
-    def _model_name(self, group) -> Optional[str]:
-        names = {
+    def _groups(self) -> Dict[str, object]:
+        groups = {
             "reward": self.reward_model_group,
             "critic": self.critic_model_group,
             "ref": self.initial_model_group,
             "actor": self.actor_model_group,
         }
-        return next((name for name, g in names.items() if g is not None and g is group), None)
+        return {name: group for name, group in groups.items() if group is not None}
+
+    def _model_name(self, group) -> Optional[str]:
+        return next((name for name, g in self._groups().items() if g is group), None)
 
     def _flush(self) -> None:
         """Once per batch: send the chunks still queued in the rollout actors and wait for every prefill."""
@@ -92,19 +95,33 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
 
     def _fetch(self, model: str, group) -> List[Optional[ScoredSequence]]:
         """This model's scores for every rollout sample, or None where it has none valid now."""
-        if model in self._scored:
-            return self._scored[model]
+        if model not in self._scored:
+            self._collect_streamed()
+        return self._scored[model]
+
+    def _collect_streamed(self) -> None:
+        """Once per batch, after the flush: every streamed model's scores, asked of all actors at once."""
         self._flush()
-        handlers = group._actor_handlers  # noqa: SLF001 - RayActorGroup exposes no accessor
-        uids_by_rank = {}
-        for stream in self._streams:
-            if stream and model in stream.get("streamed", ()):
-                uids_by_rank.setdefault(route(stream["uid"], len(handlers)), []).append(stream["uid"])
-        collected = {}
-        for part in ray.get([handlers[rank].oppo_collect.remote(uids) for rank, uids in uids_by_rank.items()]):
-            collected.update(part)
-        # A trainable model's result counts only if computed with its current weights.
-        version = ray.get(handlers[0].oppo_version.remote())
+        calls = {}
+        for model, group in self._groups().items():
+            if model not in self.streamed_models:
+                continue
+            handlers = group._actor_handlers  # noqa: SLF001 - RayActorGroup exposes no accessor
+            uids_by_rank = {}
+            for stream in self._streams:
+                if stream and model in stream.get("streamed", ()):
+                    uids_by_rank.setdefault(route(stream["uid"], len(handlers)), []).append(stream["uid"])
+            collects = [handlers[rank].oppo_collect.remote(uids) for rank, uids in uids_by_rank.items()]
+            calls[model] = (collects, handlers[0].oppo_version.remote())
+        for model, (collects, version) in calls.items():
+            collected = {}
+            for part in ray.get(collects):
+                collected.update(part)
+            self._scored[model] = self._valid_scores(model, collected, ray.get(version))
+
+    def _valid_scores(self, model: str, collected: dict, version: int) -> List[Optional[ScoredSequence]]:
+        """Per rollout sample: its scores, if computed with the model's current weights (trainable models
+        bump their version in fit), else None."""
         scored = []
         for stream in self._streams:
             result = None
@@ -117,7 +134,6 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
                 else:
                     result = None
             scored.append(result)
-        self._scored[model] = scored
         return scored
 
     def _assemble(self, model: str, samples: Experience, scored) -> Optional[torch.Tensor]:
