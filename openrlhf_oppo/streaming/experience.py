@@ -54,7 +54,7 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
         if model not in self.streamed_models or not any(s and model in s.get("streamed", ()) for s in self._streams):
             return super()._dispatch_forward(group, sync_condition, **kwargs)
 
-        scored = self._fetch(model, group)
+        scored = self._fetch(model)
         outputs, missing = [], []
         for index, samples in enumerate(self._samples_list):
             output = self._assemble(model, samples, scored)
@@ -93,7 +93,7 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
             calls = ray.get([engine.oppo_flush.remote(uids) for engine in self.vllm_engines])
             ray.get([call for engine_calls in calls for call in engine_calls])
 
-    def _fetch(self, model: str, group) -> List[Optional[ScoredSequence]]:
+    def _fetch(self, model: str) -> List[Optional[ScoredSequence]]:
         """This model's scores for every rollout sample, or None where it has none valid now."""
         if model not in self._scored:
             self._collect_streamed()
