@@ -28,7 +28,7 @@ from tqdm import tqdm
 from openrlhf_oppo.bench import report
 from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus
 from openrlhf_oppo.bench.systems import SYSTEMS, common_flags, system_flags
-from openrlhf_oppo.bench.workload import build
+from openrlhf_oppo.bench.workload import add_workload_arguments, build, length_params
 
 
 def parse():
@@ -42,14 +42,8 @@ def parse():
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--overcommit", type=int, default=None, help="Delta for the OPPO systems (default B/4)")
-    parser.add_argument("--lengths", default="lognormal", choices=["lognormal", "bimodal", "uniform"])
-    parser.add_argument("--mean", type=float, default=500)
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--low", type=int, default=16)
-    parser.add_argument("--high", type=int, default=4096)
-    parser.add_argument("--prompt_tokens", type=int, default=64)
+    add_workload_arguments(parser)
     parser.add_argument("--cache_budget_gb", type=float, default=2.0)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per system before it is stopped")
     parser.add_argument("--extra", action="append", default=[], help="a train_ppo_ray flag for every system (repeat)")
     parser.add_argument("--tag", default="", help="appended to the system names in the results (a seed, say)")
@@ -69,9 +63,8 @@ def main():
     os.makedirs(args.scratch, exist_ok=True)
     # One prompt group per step more than measured, so that overcommit has prompts to draw on.
     prompts = args.batch * (args.warmup + args.steps + 1)
-    params = dict(mean=args.mean, sigma=args.sigma, low=args.low, high=args.high)
     _, _, workload = build(
-        workdir, args.shape, "bfloat16", prompts, args.lengths, args.seed, args.prompt_tokens, **params
+        workdir, args.shape, "bfloat16", prompts, args.lengths, args.seed, args.prompt_tokens, **length_params(args)
     )
 
     results = dict(

@@ -26,23 +26,38 @@ def build(out, shape, dtype, prompts, lengths, seed, prompt_tokens, **params):
     return actor, reward, summary
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Response lengths, prompt length and seed: this module's CLI and the benchmark harness take the same."""
+    parser.add_argument("--lengths", default="lognormal", choices=["lognormal", "bimodal", "uniform"])
+    parser.add_argument("--mean", type=float, default=500)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--low", type=int, default=16)
+    parser.add_argument("--high", type=int, default=4096)
+    parser.add_argument("--prompt_tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def length_params(args) -> dict:
+    return dict(mean=args.mean, sigma=args.sigma, low=args.low, high=args.high)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--shape", default="tiny", choices=sorted(tiny.SHAPES))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--prompt_tokens", type=int, default=64)
-    parser.add_argument("--lengths", default="lognormal", choices=["lognormal", "bimodal", "uniform"])
-    parser.add_argument("--mean", type=float, default=500)
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--low", type=int, default=16)
-    parser.add_argument("--high", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser)
     args = parser.parse_args()
-    params = dict(mean=args.mean, sigma=args.sigma, low=args.low, high=args.high)
     _, _, summary = build(
-        args.out, args.shape, args.dtype, args.prompts, args.lengths, args.seed, args.prompt_tokens, **params
+        args.out,
+        args.shape,
+        args.dtype,
+        args.prompts,
+        args.lengths,
+        args.seed,
+        args.prompt_tokens,
+        **length_params(args)
     )
     print(json.dumps(summary))
 
