@@ -45,6 +45,7 @@ def run(kind, actor_path, reward_path, steps, batch, length, lr, seed):
     else:
         rule = load_rule_reward()
     prompt = tokenizer(["Write some numbers:"] * batch, return_tensors="pt")
+    start = prompt["input_ids"].shape[1]  # first response position
     curve = []
     for step in range(steps):
         with torch.no_grad():
@@ -58,8 +59,8 @@ def run(kind, actor_path, reward_path, steps, batch, length, lr, seed):
                 prompts = tokenizer.batch_decode(prompt["input_ids"])
                 reward = rule(queries, prompts, None)["rewards"]
         advantage = (reward - reward.mean()) / (reward.std() + 1e-6)
-        logits = policy(out).logits[:, prompt["input_ids"].shape[1] - 1 : -1]
-        logprobs = torch.log_softmax(logits, -1).gather(-1, out[:, prompt["input_ids"].shape[1] :, None])[..., 0]
+        logits = policy(out).logits[:, start - 1 : -1]
+        logprobs = torch.log_softmax(logits, -1).gather(-1, out[:, start:, None])[..., 0]
         loss = -(advantage[:, None] * logprobs).mean()
         optimizer.zero_grad()
         loss.backward()
