@@ -1,11 +1,15 @@
 #!/bin/bash
-# The GPU measurements of docs/RESULTS.md in one go on a 4-GPU machine, as three lanes that run at the
-# same time, each on GPUs of its own and in namespaces of its own (PID, network, mount: its own Ray
-# cluster, ports and `ray stop`, which would otherwise end the other lanes' runs):
-#   a  GPUs 0,1  bench_2gpu_split.sh: six systems, vLLM on one GPU, the four models on the other
-#   b  GPU 2     gpu_smoke.sh with OPPO off (issue 2), then bench_1gpu_colocated.sh
-#   c  GPU 3     convergence_small.sh
-# The lanes share only the host's CPUs (64 cores) and disk; every comparison is made within one lane.
+# The GPU measurements of docs/RESULTS.md in one go on a 4-GPU machine, as lanes that run at the same
+# time, each on GPUs of its own and in namespaces of its own (PID, network, mount: its own Ray cluster,
+# ports and `ray stop`, which would otherwise end the other lanes' runs):
+#   a  GPUs 0,1  bench_2gpu_split.sh: vLLM on one GPU, the four models on the other (SPLIT_SYSTEMS, in
+#                order of priority: a lane cut short keeps the systems that finished)
+#   c  GPU 2     convergence_small.sh, runs a and b (upstream seed 0 with oppo-both, upstream seed 1)
+#   d  GPU 3     convergence_small.sh, run c (oppo-intra, oppo-inter)
+# (The second session's lanes were a, then b on GPU 2: gpu_smoke.sh with OPPO off and
+# bench_1gpu_colocated.sh, and c on GPU 3: all of convergence_small.sh; docs/results/h200x4-lanes.)
+# The lanes share only the host's CPUs (64 cores) and disk; every comparison is made within one lane
+# (the convergence runs compare reward per step, which does not depend on the lane).
 # Needs root (unshare). Starts the lanes in the background and returns; each writes ROOT/<lane>/lane.log
 # and its results under ROOT/<lane>/out.
 #   bash examples/scripts/gpu_lanes.sh /tmp/lanes
@@ -17,8 +21,8 @@ lane() {  # name, GPUs, command
   CUDA_VISIBLE_DEVICES=$2 LANE=$ROOT/$1 setsid unshare --pid --fork --mount-proc --net --mount \
     bash examples/scripts/gpu_lane.sh "$3" >"$ROOT/$1/lane.log" 2>&1 </dev/null &
 }
-lane a 0,1 'OUT_DIR=$LANE/out bash examples/scripts/bench_2gpu_split.sh'
-lane b 2 'T=400 WORK=$LANE/smoke bash examples/scripts/gpu_smoke.sh >$LANE/smoke-oppo-off.log 2>&1;
-  OUT_DIR=$LANE/out bash examples/scripts/bench_1gpu_colocated.sh'
-lane c 3 'OUT_DIR=$LANE/out SCRATCH=$LANE/scratch bash examples/scripts/convergence_small.sh'
+SPLIT_SYSTEMS=${SPLIT_SYSTEMS:-upstream-sync,oppo-both-early,upstream-async,oppo-intra,oppo-both}
+lane a 0,1 "SYSTEMS=$SPLIT_SYSTEMS STEPS=${SPLIT_STEPS:-4} OUT_DIR=\$LANE/out SCRATCH=\$LANE/scratch WORKDIR=\$LANE/workload bash examples/scripts/bench_2gpu_split.sh"
+lane c 2 'RUNS="a b" OUT_DIR=$LANE/out SCRATCH=$LANE/scratch bash examples/scripts/convergence_small.sh'
+lane d 3 'RUNS=c OUT_DIR=$LANE/out SCRATCH=$LANE/scratch bash examples/scripts/convergence_small.sh'
 echo "lanes started under $ROOT"

@@ -22,9 +22,9 @@ import torch
 from openrlhf_oppo import tiny
 
 
-def load_rule_reward():
-    path = os.path.join(os.path.dirname(__file__), "..", "reward", "digit_reward.py")
-    spec = importlib.util.spec_from_file_location("digit_reward", path)
+def load_rule_reward(name):
+    path = os.path.join(os.path.dirname(__file__), "..", "reward", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.reward_func
@@ -43,7 +43,7 @@ def run(kind, actor_path, reward_path, steps, batch, length, lr, seed):
         scorer = scorer.float()  # stored rounded through bf16 (tiny.make_checkpoints): no loss
         scorer.eval()
     else:
-        rule = load_rule_reward()
+        rule = load_rule_reward(kind)
     prompt = tokenizer(["Write some numbers:"] * batch, return_tensors="pt")
     start = prompt["input_ids"].shape[1]  # first response position
     curve = []
@@ -79,11 +79,16 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--rewards",
+        default="reward_model,digit_reward,parity_reward",
+        help="reward_model (the benchmark's random reward model) or rule rewards from examples/reward/",
+    )
     args = parser.parse_args()
     actor, reward = tiny.make_checkpoints(args.workdir, "small", "float32")
     curves = {
         kind: run(kind, actor, reward, args.steps, args.batch, args.length, args.lr, args.seed)
-        for kind in ("reward_model", "digit_rule")
+        for kind in args.rewards.split(",")
     }
     summary = {}
     for kind, curve in curves.items():

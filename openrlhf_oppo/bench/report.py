@@ -24,6 +24,7 @@ OPPO_KEYS = (
     "policy_lag_mean",
     "fallback_micro_batches",
 )
+CONVERGENCE_MIN_STEPS = 10  # runs this long get the convergence table and plot
 
 
 def read_steps(tb_dir: str) -> list:
@@ -103,7 +104,48 @@ def table(results: dict) -> str:
         lines += ["", "| OPPO system | " + " | ".join(OPPO_KEYS) + " |", "|---|" + "---|" * len(OPPO_KEYS)]
         for name, s in oppo:
             lines.append(f"| {name} | " + " | ".join(_fmt(s.get(k)) for k in OPPO_KEYS) + " |")
+    if max(len(r.get("steps") or []) for r in systems.values()) >= CONVERGENCE_MIN_STEPS:
+        lines += ["", *convergence_table(results)]
     return "\n".join(lines) + "\n"
+
+
+def convergence_table(results: dict) -> list:
+    """Reward per step against the upstream-sync run, and the time each system takes to a target reward.
+
+    The target is halfway from upstream-sync's mean reward over its first 5 steps to that over its last 5
+    (none if that rise is within twice the spread of the first 5);
+    a system reaches it at the first step whose 3-step moving mean is at or above it. "gap to sync" is the
+    mean over steps of |reward - upstream-sync's reward at that step|: for a second upstream seed it is the
+    run-to-run noise that the OPPO systems' gaps are to be read against.
+    """
+    systems = {n: r["steps"] for n, r in results["systems"].items() if len(r.get("steps") or []) >= 5}
+    rewards = {n: [s.get("rollout/reward_mean", float("nan")) for s in steps] for n, steps in systems.items()}
+    base = rewards.get("upstream-sync")
+    target = None
+    if base:
+        first, last = statistics.mean(base[:5]), statistics.mean(base[-5:])
+        rose = last - first > 2 * statistics.pstdev(base[:5])  # a flat curve has no meaningful target
+        target = first + (last - first) / 2 if rose else None
+    lines = [
+        f"Convergence: target reward {_fmt(target)} (halfway from upstream-sync's first 5 steps to its last 5;"
+        " none where upstream-sync's reward did not rise)",
+        "",
+        "| system | steps | reward, first 5 | reward, last 5 | step to target | minutes to target | gap to sync |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, steps in systems.items():
+        curve = rewards[name]
+        reached = None
+        if target is not None:
+            moving = [statistics.mean(curve[max(0, i - 2) : i + 1]) for i in range(len(curve))]
+            reached = next((i for i, value in enumerate(moving) if value >= target), None)
+        minutes = (steps[reached]["end"] - steps[0]["start"]) / 60 if reached is not None else None
+        gap = statistics.mean(abs(a - b) for a, b in zip(curve, base)) if base else None
+        lines.append(
+            f"| {name} | {len(curve)} | {statistics.mean(curve[:5]):.4f} | {statistics.mean(curve[-5:]):.4f}"
+            f" | {steps[reached]['step'] if reached is not None else '-'} | {_fmt(minutes)} | {_fmt(gap)} |"
+        )
+    return lines
 
 
 def plot_breakdown(results: dict, path: str) -> None:
@@ -199,7 +241,7 @@ def write(results: dict, out: str) -> None:
     try:
         plot_breakdown(results, os.path.join(out, "breakdown.png"))
         plot_timeline(results, os.path.join(out, "timeline.png"))
-        if max(len(r.get("steps") or []) for r in results["systems"].values()) >= 10:
+        if max(len(r.get("steps") or []) for r in results["systems"].values()) >= CONVERGENCE_MIN_STEPS:
             plot_convergence(results, os.path.join(out, "convergence.png"))
     except ImportError:
         print("matplotlib is not installed: no plots")
