@@ -37,8 +37,9 @@ class OPPOSamplesGenerator(SamplesGenerator):
     def _dispatch_prompts_to_vllm(self, *args, **kwargs):
         # Upstream passes the tokenizer with every generate_responses call: pickled here and unpickled
         # by the rollout actor before each call starts (2.4 MB and 0.12 s for a 150k vocabulary on a CPU
-        # core), so a batch of calls reaches vLLM seconds apart. OPPO's rollout actors get it once and
-        # take None in its place.
+        # core), so a batch of calls reaches vLLM seconds apart (about 4 s a step on 2x H200,
+        # docs/RESULTS.md). OPPO's rollout actors get it once and take None in its place. The flag is the
+        # one patches/openrlhf/0005 adds upstream, so that a patched upstream does not send it again.
         if not self._engines_have_tokenizer:
             ray.get([engine.oppo_set_tokenizer.remote(self.tokenizer) for engine in self.vllm_engines])
             self._engines_have_tokenizer = True

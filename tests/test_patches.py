@@ -37,7 +37,7 @@ def run(patched, code):
 
 
 def test_there_are_patches():
-    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004"]
+    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004", "0005"]
 
 
 def test_upstream_cli_loads_oppo_as_an_extension(patched):
@@ -108,3 +108,40 @@ def test_patched_prompt_shuffle_is_the_same_in_every_process(patched):
         """
     first = run(patched, code).splitlines()[-1]
     assert first == run(patched, code).splitlines()[-1] != str(list(range(64)))
+
+
+def test_patched_generator_sends_the_tokenizer_once(patched):
+    out = run(
+        patched,
+        """
+        from types import SimpleNamespace
+        import ray
+        from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+        class Method:  # actor_handle.method.remote(...) without a Ray cluster: records the call
+            def __init__(self, calls, name, result=None):
+                self.calls, self.name, self.result = calls, name, result
+            def remote(self, *args, **kwargs):
+                self.calls.append((self.name, args, kwargs))
+                return self.result
+
+        calls = []
+        engine = SimpleNamespace(
+            set_tokenizer=Method(calls, "set_tokenizer"),
+            get_num_unfinished_requests=Method(calls, "pending", 0),
+            generate_responses=Method(calls, "generate"),
+        )
+        ray.get = lambda refs: refs
+        args = SimpleNamespace(algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_level="off")),
+                               rollout=SimpleNamespace(n_samples_per_prompt=1))
+        generator = SamplesGenerator(SimpleNamespace(args=args), None, None, "TOKENIZER", [engine])
+        for _ in range(2):
+            generator._dispatch_prompts_to_vllm(["a", "b"], ["1", "2"], max_new_tokens=4)
+        print([name for name, _, _ in calls])
+        sent = [args for name, args, _ in calls if name == "set_tokenizer"]
+        print([kw.get("hf_tokenizer") for name, _, kw in calls if name == "generate"], sent)
+        """,
+    )
+    names, tokenizers = out.splitlines()[-2:]
+    assert names == str(["pending", "set_tokenizer", "generate", "generate", "pending", "generate", "generate"])
+    assert tokenizers == "[None, None, None, None] [('TOKENIZER',)]"

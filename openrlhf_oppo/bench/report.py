@@ -130,8 +130,8 @@ def convergence_table(results: dict) -> list:
         f"Convergence: target reward {_fmt(target)} (halfway from upstream-sync's first 5 steps to its last 5;"
         " none where upstream-sync's reward did not rise)",
         "",
-        "| system | steps | reward, first 5 | reward, last 5 | step to target | minutes to target | gap to sync |",
-        "|---|---|---|---|---|---|---|",
+        "| system | steps | reward, first 5 | reward, last 5 | rise | step to target | minutes to target | gap to sync |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, steps in systems.items():
         curve = rewards[name]
@@ -141,8 +141,9 @@ def convergence_table(results: dict) -> list:
             reached = next((i for i, value in enumerate(moving) if value >= target), None)
         minutes = (steps[reached]["end"] - steps[0]["start"]) / 60 if reached is not None else None
         gap = statistics.mean(abs(a - b) for a, b in zip(curve, base)) if base else None
+        first, last = statistics.mean(curve[:5]), statistics.mean(curve[-5:])
         lines.append(
-            f"| {name} | {len(curve)} | {statistics.mean(curve[:5]):.4f} | {statistics.mean(curve[-5:]):.4f}"
+            f"| {name} | {len(curve)} | {first:.4f} | {last:.4f} | {last - first:+.4f}"
             f" | {steps[reached]['step'] if reached is not None else '-'} | {_fmt(minutes)} | {_fmt(gap)} |"
         )
     return lines
