@@ -123,6 +123,8 @@ OPTIONS = {
             "start with the newest weights. 'step_end': they start before training, so that the vLLM GPUs decode "
             "through training and the weight sync, as in upstream's async mode (their tokens before the update "
             "come from the previous policy); needs vLLM apart from the models (not --train.colocate_all). "
+            "On 2x H200 (docs/RESULTS.md) it did not pay: the new prompts' chunks wait for the training GPU, "
+            "so the step was no shorter and the policy lag rose from 0.5 to 1.3 versions. "
             "Logged as oppo/topped_up_at_step_end.",
         ),
         "step_start",

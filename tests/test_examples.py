@@ -1,5 +1,5 @@
 """The launch scripts in examples/scripts parse and validate (run up to where training would start), and
-the GSM8K rule reward scores as documented."""
+the rule rewards score as documented."""
 
 import os
 import stat
@@ -48,3 +48,22 @@ def test_gsm8k_reward():
         ["work #### 1,234", "#### 4", "#### 4"],
     )
     assert out["rewards"].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_parity_reward_reads_token_ids_back_from_the_benchmark_tokenizer(tmp_path):
+    """The convergence check's reward: the share of even ids among the response's tokens, read from the
+    text that the small benchmark tokenizer decodes (ids past the bytes are words ``t<id>``)."""
+    from transformers import AutoTokenizer
+
+    from openrlhf_oppo.tiny import make_tokenizer
+
+    sys.path.insert(0, str(SCRIPTS.parent / "reward"))
+    from parity_reward import reward_func
+
+    make_tokenizer(str(tmp_path), 8192)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    prompt = tokenizer.decode([301, 303, 305])  # odd ids in the prompt do not count
+    responses = [[300, 302, 301, 7000], [4001, 4003], [8190]]
+    queries = [tokenizer.decode([301, 303, 305] + ids) for ids in responses]
+    out = reward_func(queries, [prompt] * 3, None)
+    assert out["rewards"].tolist() == [0.75, 0.0, 1.0]

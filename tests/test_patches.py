@@ -1,7 +1,7 @@
 """patches/openrlhf: they apply, in order, to the installed OpenRLHF 0.11.2; with them applied, upstream's
-own train_ppo_ray loads OPPO as an extension, and OPPO's wrapper keeps working."""
+own train_ppo_ray loads OPPO as an extension, OPPO's wrapper keeps working, and the fixes do what they
+say (prompt order seeded, tokenizer sent once, advantages equal bit for bit)."""
 
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -10,20 +10,17 @@ from pathlib import Path
 import openrlhf
 import pytest
 
-PATCHES = sorted((Path(__file__).resolve().parents[1] / "patches" / "openrlhf").glob("*.patch"))
+from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
+
+PATCHES = patches()
 BASE = "--actor.model_name_or_path m --reward.model_name_or_path m --vllm.num_engines 1 --rollout.batch_size 16"
 BASE += "".join(f" --{role}.num_gpus_per_node 2" for role in ("actor", "critic", "reward", "ref"))
 
 
 @pytest.fixture(scope="module")
 def patched(tmp_path_factory):
-    """A copy of the installed openrlhf with the patches applied (``git apply`` works outside a repository)."""
-    root = tmp_path_factory.mktemp("patched")
-    shutil.copytree(Path(openrlhf.__file__).parent, root / "openrlhf")
-    for patch in PATCHES:
-        result = subprocess.run(["git", "apply", "-p1", str(patch)], cwd=root, capture_output=True, text=True)
-        assert result.returncode == 0, f"{patch.name} does not apply: {result.stderr}"
-    return root
+    """A copy of the installed openrlhf with the patches applied (what ``bench --upstream_patches`` runs on)."""
+    return Path(make_patched_copy(str(tmp_path_factory.mktemp("patched") / "root")))
 
 
 def run(patched, code):
@@ -37,7 +34,7 @@ def run(patched, code):
 
 
 def test_there_are_patches():
-    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004", "0005"]
+    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004", "0005", "0006"]
 
 
 def test_upstream_cli_loads_oppo_as_an_extension(patched):
@@ -145,3 +142,40 @@ def test_patched_generator_sends_the_tokenizer_once(patched):
     names, tokenizers = out.splitlines()[-2:]
     assert names == str(["pending", "set_tokenizer", "generate", "generate", "pending", "generate", "generate"])
     assert tokenizers == "[None, None, None, None] [('TOKENIZER',)]"
+
+
+def test_patched_advantages_equal_upstreams_bit_for_bit(patched):
+    upstream = Path(openrlhf.__file__).parent / "trainer" / "ppo_utils" / "experience_maker.py"
+    out = run(
+        patched,
+        f"""
+        import importlib.util, time, torch
+        from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as Patched
+
+        spec = importlib.util.spec_from_file_location("upstream_experience_maker", {str(upstream)!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        Upstream = module.RemoteExperienceMaker
+
+        torch.manual_seed(0)
+        equal = True
+        for length in (1, 2, 7, 500):
+            for gamma, lambd in ((1.0, 0.95), (0.99, 0.9)):
+                values, rewards = torch.randn(8, length) * 3, torch.randn(8, length)
+                mask = torch.rand(8, length) > 0.2
+                for ours, theirs in zip(
+                    Patched.get_advantages_and_returns(None, values, rewards, mask, gamma, lambd),
+                    Upstream.get_advantages_and_returns(None, values, rewards, mask, gamma, lambd),
+                ):
+                    equal &= ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+                for m in (mask, None):
+                    ours = Patched.get_cumulative_returns(None, rewards, m, gamma)
+                    equal &= torch.equal(ours, Upstream.get_cumulative_returns(None, rewards, m, gamma))
+        # bf16 (not the float32 fast path) still takes upstream's loop
+        values = torch.randn(2, 5, dtype=torch.bfloat16)
+        ours = Patched.get_advantages_and_returns(None, values, values, None, 1.0, 0.95)[0]
+        equal &= torch.equal(ours, Upstream.get_advantages_and_returns(None, values, values, None, 1.0, 0.95)[0])
+        print("equal", equal)
+        """,
+    )
+    assert out.splitlines()[-1] == "equal True"

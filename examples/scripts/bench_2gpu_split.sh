@@ -1,6 +1,8 @@
 #!/bin/bash
 # The 2-GPU side-by-side benchmark of docs/RESULTS.md: vLLM on one GPU, the four models on the other,
 # Qwen2.5-1.5B shape, long-tail lengths (lognormal, mean 500, up to 4096 tokens), all six systems.
+# PATCHED=1 runs every system on OpenRLHF with patches/openrlhf applied (--upstream_patches): upstream
+# then gets the fixes OPPO proposes (the tokenizer sent once, the faster advantage recurrence).
 # About 2.5 minutes of device time a system on a warm machine (plus 2.5 for a fresh machine's warm-up):
 # split --systems across calls of 10 minutes and merge with
 #   python -m openrlhf_oppo.bench.report runs/2gpu-a/results.json runs/2gpu-b/results.json --out docs/results/...
@@ -11,4 +13,4 @@ python3 -m openrlhf_oppo.bench --gpus 2 --placement split --shape qwen2.5-1.5b \
   --systems "${SYSTEMS:-upstream-sync,oppo-both,upstream-async,oppo-both-early,oppo-intra,oppo-inter}" \
   --batch 32 --steps "${STEPS:-3}" --warmup 1 --overcommit "${DELTA:-16}" \
   --lengths lognormal --mean 500 --sigma 1.0 --high 4096 \
-  --timeout 400 --workdir "${WORKDIR:-/tmp/oppo-wl}" --scratch "${SCRATCH:-/tmp/oppo-2gpu}" --out "${OUT_DIR:-runs/2gpu}"
+  --timeout 400 ${PATCHED:+--upstream_patches} --workdir "${WORKDIR:-/tmp/oppo-wl}" --scratch "${SCRATCH:-/tmp/oppo-2gpu}" --out "${OUT_DIR:-runs/2gpu}"

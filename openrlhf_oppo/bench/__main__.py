@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from openrlhf_oppo.bench import report
 from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus
+from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
 from openrlhf_oppo.bench.systems import SYSTEMS, common_flags, system_flags
 from openrlhf_oppo.bench.workload import add_workload_arguments, build, length_params
 
@@ -47,6 +48,12 @@ def parse():
     parser.add_argument("--timeout", type=int, default=900, help="seconds per system before it is stopped")
     parser.add_argument("--extra", action="append", default=[], help="a train_ppo_ray flag for every system (repeat)")
     parser.add_argument("--tag", default="", help="appended to the system names in the results (a seed, say)")
+    parser.add_argument(
+        "--upstream_patches",
+        action="store_true",
+        help="run every system on a copy of OpenRLHF with patches/openrlhf applied (the upstream with OPPO's "
+        "proposed fixes, among them the tokenizer sent to the rollout actors once)",
+    )
     parser.add_argument("--workdir", default=None, help="where checkpoints and prompts go (default OUT/workload)")
     parser.add_argument("--out", required=True, help="results.json, table.md and the plots")
     parser.add_argument("--scratch", default=None, help="logs, tensorboard, traces, checkpoints (default OUT)")
@@ -61,6 +68,10 @@ def main():
     workdir = args.workdir or os.path.join(args.scratch, "workload")
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.scratch, exist_ok=True)
+    if args.upstream_patches:
+        patched = make_patched_copy(os.path.join(args.scratch, "openrlhf-patched"))
+        # The runs, their Ray workers included, import openrlhf from here.
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (patched, os.environ.get("PYTHONPATH")) if p)
     # One prompt group per step more than measured, so that overcommit has prompts to draw on.
     prompts = args.batch * (args.warmup + args.steps + 1)
     _, _, workload = build(
@@ -79,6 +90,7 @@ def main():
         versions=_versions(),
         settings=dict(vars(args), overcommit=overcommit, prompts=prompts),
         workload=workload,
+        upstream_patches=[patch.name for patch in patches()] if args.upstream_patches else [],
         systems={},
     )
     path = os.path.join(args.out, "results.json")

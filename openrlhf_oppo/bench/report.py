@@ -79,7 +79,8 @@ def table(results: dict) -> str:
         f" · shape: {results['settings']['shape']} · batch: {results['settings']['batch']} prompts"
         f" x {results['settings']['n_samples']} · measured steps: {results['settings']['steps']}"
         f" (after {results['settings']['warmup']} warm-up) · workload: {results['workload']['distribution']}"
-        f" mean {results['workload']['mean_length']:.0f}, max {results['workload']['max_length']} tokens",
+        f" mean {results['workload']['mean_length']:.0f}, max {results['workload']['max_length']} tokens"
+        + (" · OpenRLHF with patches/openrlhf applied" if results.get("upstream_patches") else ""),
         "",
         "| system | step mean (s) | p50 | p90 | generation | make_exp | train | weight sync | other | tokens/s"
         " | GPU util % | speed-up vs sync | util vs sync |",
