@@ -71,6 +71,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                 self.tokenizer,
                 streamed_models=oppo.streamed_models,
                 vllm_engines=vllm_engines,
+                tracer=self.tracer,
             )
 
     def _make_samples_generator(self, strategy, vllm_engines):

@@ -70,6 +70,7 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
     assert len(traces) == len(steps)
     names = {event["name"] for event in json.load(open(traces[-1]))["traceEvents"]}
     assert {"generation", "make_experience", "ppo_train", "weight_sync", "prefill"} <= names
+    assert {"flush", "collect", "kl_advantages"} <= names  # the parts of make_experience
 
 
 def test_checkpoint_keeps_carried_prompts_and_resume_trains_them_first(checkpoints, engine, tmp_path):

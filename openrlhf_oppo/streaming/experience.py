@@ -20,21 +20,26 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from openrlhf_oppo.streaming.rollout import route
 from openrlhf_oppo.streaming.scorer import ScoredSequence
+from openrlhf_oppo.trace import Tracer
 
 
 class StreamingExperienceMaker(RemoteExperienceMaker):
-    def __init__(self, *args, streamed_models=(), vllm_engines=(), **kwargs):
+    def __init__(self, *args, streamed_models=(), vllm_engines=(), tracer: Tracer = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.streamed_models = set(streamed_models)
         self.vllm_engines = list(vllm_engines)
+        self.tracer = tracer or Tracer(enabled=False, process="experience")
         self.metrics: Dict[str, float] = {}
 
     def make_experience_batch(self, rollout_samples: List[Experience]) -> List[Experience]:
         self._streams = [getattr(sample, "oppo", None) for sample in rollout_samples]
         self._scored: Dict[str, List[Optional[ScoredSequence]]] = {}
         self._counts = dict(streamed=0, total=0, fallback_batches=0)
-        self._flushed_at = None
+        self._flushed_at = self._collected_at = None
         experiences = super().make_experience_batch(rollout_samples)
+        # After the scores arrived: upstream's KL, reward shaping and advantages (and any micro-batch
+        # scored the upstream way).
+        self.tracer.add("kl_advantages", self._collected_at or time.time(), time.time(), track="make_experience")
 
         last_tokens = [s["last_token_time"] for s in self._streams if s and s.get("last_token_time")]
         self.metrics = {
@@ -90,8 +95,9 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
         if self._flushed_at is None:
             self._flushed_at = time.time()
             uids = [stream["uid"] for stream in self._streams if stream and stream.get("streamed")]
-            calls = ray.get([engine.oppo_flush.remote(uids) for engine in self.vllm_engines])
-            ray.get([call for engine_calls in calls for call in engine_calls])
+            with self.tracer.span("flush", track="make_experience"):
+                calls = ray.get([engine.oppo_flush.remote(uids) for engine in self.vllm_engines])
+                ray.get([call for engine_calls in calls for call in engine_calls])
 
     def _fetch(self, model: str) -> List[Optional[ScoredSequence]]:
         """This model's scores for every rollout sample, or None where it has none valid now."""
@@ -113,11 +119,13 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
                     uids_by_rank.setdefault(route(stream["uid"], len(handlers)), []).append(stream["uid"])
             collects = [handlers[rank].oppo_collect.remote(uids) for rank, uids in uids_by_rank.items()]
             calls[model] = (collects, handlers[0].oppo_version.remote())
-        for model, (collects, version) in calls.items():
-            collected = {}
-            for part in ray.get(collects):
-                collected.update(part)
-            self._scored[model] = self._valid_scores(model, collected, ray.get(version))
+        with self.tracer.span("collect", track="make_experience"):
+            for model, (collects, version) in calls.items():
+                collected = {}
+                for part in ray.get(collects):
+                    collected.update(part)
+                self._scored[model] = self._valid_scores(model, collected, ray.get(version))
+        self._collected_at = time.time()
 
     def _valid_scores(self, model: str, collected: dict, version: int) -> List[Optional[ScoredSequence]]:
         """Per rollout sample: its scores, if computed with the model's current weights (trainable models
