@@ -2,7 +2,8 @@
 
     python -m openrlhf_oppo.bench.report runs/2gpu/results.json [more results.json] --out docs/results/2gpu
 
-A step's time is the wall time between its log and the previous step's (all phases, queue waits and
+Runs of 10 steps or more also get a convergence table (reward per step, time to a target reward) and
+plot. A step's time is the wall time between its log and the previous step's (all phases, queue waits and
 whatever else happened). The phases are OpenRLHF's own ``timing/*``; under OPPO's inter-step overlap
 and upstream's async mode, generation overlaps training, so phases need not add up to the step.
 """
@@ -114,10 +115,10 @@ def convergence_table(results: dict) -> list:
     """Reward per step against the upstream-sync run, and the time each system takes to a target reward.
 
     The target is halfway from upstream-sync's mean reward over its first 5 steps to that over its last 5
-    (none if that rise is within twice the spread of the first 5);
-    a system reaches it at the first step whose 3-step moving mean is at or above it. "gap to sync" is the
-    mean over steps of |reward - upstream-sync's reward at that step|: for a second upstream seed it is the
-    run-to-run noise that the OPPO systems' gaps are to be read against.
+    (none if that rise is within twice the spread of the first 5); a system reaches it at the first step
+    whose 3-step moving mean is at or above it. "gap to sync" is the mean over steps of |reward -
+    upstream-sync's reward at that step|: for a second upstream seed it is the run-to-run noise that the
+    OPPO systems' gaps are to be read against.
     """
     systems = {n: r["steps"] for n, r in results["systems"].items() if len(r.get("steps") or []) >= 5}
     rewards = {n: [s.get("rollout/reward_mean", float("nan")) for s in steps] for n, steps in systems.items()}
