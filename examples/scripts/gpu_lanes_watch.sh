@@ -15,7 +15,7 @@ while [ $SECONDS -lt $end ]; do
   sleep 15
 done
 for log in "$ROOT"/*/lane.log; do
-  echo "== $log: $(grep -c 'Global step\|global_step' "$log") step lines; last: $(tail -c 300 "$log" | tr '\r' '\n' | tail -2)"
+  echo "== $log: $(tail -c 300 "$log" | tr '\r' '\n' | tail -2)"
 done
 for path in "$ROOT"/*/out/*/results.json "$ROOT"/*/out/results.json; do
   [ -f "$path" ] || continue
