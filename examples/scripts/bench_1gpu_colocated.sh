@@ -2,6 +2,7 @@
 # One GPU, everything colocated (upstream's hybrid engine: vLLM and DeepSpeed sleep in turn).
 # Decides --oppo.intra_step auto under --train.colocate_all: OPPO must not make this step slower.
 # (Upstream async needs GPUs of its own for vLLM, so it is not in this placement.)
+# PATCHED=1 runs every system on OpenRLHF with patches/openrlhf applied (as bench_2gpu_split.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -9,4 +10,4 @@ python3 -m openrlhf_oppo.bench --gpus 1 --placement colocated --shape qwen2.5-1.
   --systems "${SYSTEMS:-upstream-sync,oppo-intra,oppo-inter,oppo-both}" \
   --batch 32 --steps "${STEPS:-3}" --warmup 1 --overcommit "${DELTA:-16}" \
   --lengths lognormal --mean 500 --sigma 1.0 --high 4096 \
-  --timeout 400 --workdir /tmp/oppo-wl-1gpu --scratch /tmp/oppo-1gpu --out "${OUT_DIR:-runs/1gpu}"
+  --timeout 400 ${PATCHED:+--upstream_patches} --workdir "${WORKDIR:-/tmp/oppo-wl-1gpu}" --scratch "${SCRATCH:-/tmp/oppo-1gpu}" --out "${OUT_DIR:-runs/1gpu}"

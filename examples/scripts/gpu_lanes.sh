@@ -6,6 +6,8 @@
 #                order of priority: a lane cut short keeps the systems that finished)
 #   c  GPU 2     convergence_small.sh, runs a and b (upstream seed 0 with oppo-both, upstream seed 1)
 #   d  GPU 3     convergence_small.sh, run c (oppo-intra, oppo-inter)
+# LAYOUT=patched (fourth session) runs a: the split with every system patched (PATCHED=1), b: the colocated
+# placement as released, c: the colocated placement patched.
 # (The second session's lanes were a, then b on GPU 2: gpu_smoke.sh with OPPO off and
 # bench_1gpu_colocated.sh, and c on GPU 3: all of convergence_small.sh; docs/results/h200x4-lanes.)
 # The lanes share only the host's CPUs (64 cores) and disk; every comparison is made within one lane
@@ -22,7 +24,20 @@ lane() {  # name, GPUs, command
     bash examples/scripts/gpu_lane.sh "$3" >"$ROOT/$1/lane.log" 2>&1 </dev/null &
 }
 SPLIT_SYSTEMS=${SPLIT_SYSTEMS:-upstream-sync,oppo-both-early,upstream-async,oppo-intra,oppo-both}
-lane a 0,1 "SYSTEMS=$SPLIT_SYSTEMS STEPS=${SPLIT_STEPS:-4} OUT_DIR=\$LANE/out SCRATCH=\$LANE/scratch WORKDIR=\$LANE/workload bash examples/scripts/bench_2gpu_split.sh"
-lane c 2 'RUNS="a b" OUT_DIR=$LANE/out SCRATCH=$LANE/scratch bash examples/scripts/convergence_small.sh'
-lane d 3 'RUNS=c OUT_DIR=$LANE/out SCRATCH=$LANE/scratch bash examples/scripts/convergence_small.sh'
+split="STEPS=${SPLIT_STEPS:-4} OUT_DIR=\$LANE/out SCRATCH=\$LANE/scratch WORKDIR=\$LANE/workload bash examples/scripts/bench_2gpu_split.sh"
+colocated="STEPS=${COLOCATED_STEPS:-3} OUT_DIR=\$LANE/out SCRATCH=\$LANE/scratch WORKDIR=\$LANE/workload bash examples/scripts/bench_1gpu_colocated.sh"
+case "${LAYOUT:-convergence}" in
+  convergence)  # third session
+    lane a 0,1 "SYSTEMS=$SPLIT_SYSTEMS $split"
+    lane c 2 'RUNS="a b" OUT_DIR=$LANE/out SCRATCH=$LANE/scratch bash examples/scripts/convergence_small.sh'
+    lane d 3 'RUNS=c OUT_DIR=$LANE/out SCRATCH=$LANE/scratch bash examples/scripts/convergence_small.sh'
+    ;;
+  patched)  # fourth session: every system on OpenRLHF with patches/openrlhf applied, and the colocated placement
+    #   a  GPUs 0,1  split, patched      b  GPU 2  colocated, as released      c  GPU 3  colocated, patched
+    lane a 0,1 "PATCHED=1 SYSTEMS=${SPLIT_SYSTEMS_PATCHED:-upstream-sync,oppo-intra,oppo-both,upstream-async} $split"
+    lane b 2 "SYSTEMS=upstream-sync,oppo-inter,oppo-intra $colocated"
+    lane c 3 "PATCHED=1 SYSTEMS=upstream-sync,oppo-inter $colocated"
+    ;;
+  *) echo "unknown LAYOUT=$LAYOUT (convergence or patched)" >&2; exit 2 ;;
+esac
 echo "lanes started under $ROOT"

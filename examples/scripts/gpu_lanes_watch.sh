@@ -22,7 +22,9 @@ for path in "$ROOT"/*/out/*/results.json "$ROOT"/*/out/results.json; do
   rel=${path#"$ROOT"/}
   cp "$path" "$OUT/$(echo "${rel%/results.json}" | tr / -).json"
 done
-# Logs, tables, plots, tensorboard events and traces; not the models, checkpoints, Ray's or compile caches.
+# Logs, tables, plots, tensorboard events and the traces of step 3 (all steps' traces outgrow the 16 MiB a
+# returned file may have); not the models, checkpoints, Ray's or compile caches.
 tar czf "$OUT/lanes.tgz" -C "$ROOT" --exclude='./*/ray' --exclude='./*/cache' --exclude='ckpt' \
-  --exclude='workload' --exclude='*.safetensors' . 2>/dev/null
+  --exclude='workload' --exclude='*.safetensors' --exclude='step_0000[0124-9].json' --exclude='step_000[1-9]?.json' \
+  . 2>/dev/null
 ls -la "$OUT"
