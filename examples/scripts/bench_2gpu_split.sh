@@ -13,4 +13,4 @@ python3 -m openrlhf_oppo.bench --gpus 2 --placement split --shape qwen2.5-1.5b \
   --systems "${SYSTEMS:-upstream-sync,oppo-both,upstream-async,oppo-both-early,oppo-intra,oppo-inter}" \
   --batch 32 --steps "${STEPS:-3}" --warmup 1 --overcommit "${DELTA:-16}" \
   --lengths lognormal --mean 500 --sigma 1.0 --high 4096 \
-  --timeout 400 ${PATCHED:+--upstream_patches} --workdir "${WORKDIR:-/tmp/oppo-wl}" --scratch "${SCRATCH:-/tmp/oppo-2gpu}" --out "${OUT_DIR:-runs/2gpu}"
+  --timeout "${TIMEOUT:-600}" ${PATCHED:+--upstream_patches} --workdir "${WORKDIR:-/tmp/oppo-wl}" --scratch "${SCRATCH:-/tmp/oppo-2gpu}" --out "${OUT_DIR:-runs/2gpu}"
