@@ -38,6 +38,10 @@ case "${LAYOUT:-convergence}" in
     lane b 2 "SYSTEMS=upstream-sync,oppo-inter,oppo-intra $colocated"
     lane c 3 "PATCHED=1 SYSTEMS=upstream-sync,oppo-inter $colocated"
     ;;
-  *) echo "unknown LAYOUT=$LAYOUT (convergence or patched)" >&2; exit 2 ;;
+  pair)  # fourth session's last 9 minutes: upstream sync and OPPO intra-step, patched, side by side at the same time
+    lane a 0,1 "PATCHED=1 SYSTEMS=upstream-sync $split"
+    lane b 2,3 "PATCHED=1 SYSTEMS=oppo-intra $split"
+    ;;
+  *) echo "unknown LAYOUT=$LAYOUT (convergence, patched or pair)" >&2; exit 2 ;;
 esac
 echo "lanes started under $ROOT"
