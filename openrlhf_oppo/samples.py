@@ -4,7 +4,8 @@ The rollout actor returns, with every response, an ``oppo`` dict: the sequence i
 filed under, the models that streamed it, the weight versions that generated it and when its last
 token came out. ``Experience`` has no field for it, so it rides along as an attribute
 until the experience maker reads it (before upstream concatenates samples into micro-batches).
-The versions also go into ``info``, which the actor's training step logs.
+The versions also go into ``info``, which the actor's training step logs. Evaluation samples are not
+streamed: nobody would collect their scores.
 """
 
 import time
@@ -12,6 +13,7 @@ import time
 import ray
 import torch
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
 from openrlhf_oppo.trace import Tracer
 
@@ -33,6 +35,14 @@ class OPPOSamplesGenerator(SamplesGenerator):
 
     def _generate_samples(self, **generate_kwargs):
         return super().generate_samples(**generate_kwargs)
+
+    def generate_eval_samples(self, **generate_kwargs):
+        # Nobody collects the scores of evaluation samples: don't stream them.
+        batch_vllm_engine_call(self.vllm_engines, "oppo_set_streaming", False)
+        try:
+            return super().generate_eval_samples(**generate_kwargs)
+        finally:
+            batch_vllm_engine_call(self.vllm_engines, "oppo_set_streaming", True)
 
     def _dispatch_prompts_to_vllm(self, *args, **kwargs):
         # Upstream passes the tokenizer with every generate_responses call: pickled here and unpickled

@@ -104,3 +104,37 @@ def test_streamed_tokens_and_logprobs_equal_upstream_generate(engine, connected,
     expected_logprobs = [d[t].logprob for t, d in zip(upstream.outputs[0].token_ids, upstream.outputs[0].logprobs)]
     assert streamed["rollout_log_probs"][len(prompt_ids) :] == expected_logprobs
     assert streamed["truncated"] is (upstream.outputs[0].finish_reason == "length")
+
+
+def scorer_stats(pipeline):
+    return {
+        name: ray.get(group.async_run_method(method_name="oppo_stats"))[0] for name, group in pipeline.groups.items()
+    }
+
+
+def flush_all(engine):
+    """Send every chunk still queued (held or not) and wait until they are prefilled."""
+    ray.get(ray.get(engine.oppo_flush.remote()))
+
+
+def test_evaluation_samples_are_not_streamed(pipeline, connected, workload):
+    connected(4)
+    path = workload([5, 9, 3], seed=19)
+    loader = prompt_dataloader(path, pipeline.args, pipeline.tokenizer)
+    eval_loader = prompt_dataloader(path, pipeline.args, pipeline.tokenizer)
+    generator = pipeline.samples_generator(loader, "oppo", eval_dataloader=eval_loader)
+    before = scorer_stats(pipeline)
+    evaluated = generator.generate_eval_samples(**pipeline.generate_kwargs())
+    assert len(evaluated) == 3 * pipeline.args.rollout.n_samples_per_prompt
+    assert not any(s.oppo.get("streamed") for s in evaluated)
+    after = scorer_stats(pipeline)
+    for name in after:
+        for key in ("streamed_tokens", "final_tokens", "waiting"):
+            assert after[name][key] == before[name][key], (name, key)
+
+    # Streaming is back on for training samples, and once they are collected no score is left.
+    samples, _, _, _ = generator.generate_samples(**pipeline.generate_kwargs())
+    assert samples and all(s.oppo.get("streamed") for s in samples)
+    pipeline.experience_maker(True).make_experience_batch(samples)
+    flush_all(pipeline.engines[0])
+    assert all(stats["waiting"] == 0 for stats in scorer_stats(pipeline).values())
