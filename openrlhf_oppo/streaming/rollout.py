@@ -136,6 +136,7 @@ class SampleStream:
     first_version: Optional[int] = None
     last_version: Optional[int] = None
     last_token_time: float = 0.0
+    replaced_uid: Optional[str] = None  # the stream closed by ``finish`` when the sample was edited
 
     def begin_turn(self, prompt_token_ids: List[int], version: int) -> None:
         """A generate call starts: its prompt extends the sequence (multi-turn agents add feedback)."""
@@ -164,6 +165,7 @@ class SampleStream:
             # The sample was edited after generation (truncated, or an agent rewrote it). Close the
             # stream that no longer matches (freeing its caches) and score what training sees, in full.
             self._emit(final=True)
+            self.replaced_uid = self.uid
             self.uid, self.sent = f"{self.uid}-full", []
         self.pending = list(final_tokens[len(self.sent) :])
         self._emit(final=True)
@@ -282,6 +284,8 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
             final_tokens = response["observation_tokens"][:max_length]
             stream.finish(final_tokens)
             info.update(uid=stream.uid, length=len(final_tokens), streamed=list(stream.outbox.scorers))
+            if stream.replaced_uid is not None:
+                info["replaced_uid"] = stream.replaced_uid  # its scores are never collected: to discard
         response["oppo"] = info
         return response
 
