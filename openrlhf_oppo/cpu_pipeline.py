@@ -226,11 +226,11 @@ class CPUPipeline:
     def disconnect(self):
         ray.get([e.oppo_connect.remote({}, 0, False) for e in self.engines])
 
-    def samples_generator(self, dataloader, kind: str = "upstream", **overcommit):
+    def samples_generator(self, dataloader, kind: str = "upstream", eval_dataloader=None, **overcommit):
         kwargs = dict(
             strategy=self.strategy,
             prompts_dataloader=dataloader,
-            eval_dataloader=None,
+            eval_dataloader=eval_dataloader,
             tokenizer=self.tokenizer,
             vllm_engines=self.engines,
         )

@@ -135,9 +135,11 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     def train_step(self, rollout_samples, global_step):
         step_start = time.time()
         lag = self._policy_lag(rollout_samples)  # before this step's update bumps the version
+        discarded = self._discard_dropped()
         status, global_step = super().train_step(rollout_samples, global_step)
         self.tracer.add("make_experience", step_start, step_start + status["timing/make_experience"], track="trainer")
         status.update(lag)
+        status.update(discarded)
         status.update(self._oppo_metrics(status))
         if self.tracer.enabled:
             self._write_trace(global_step)
@@ -151,20 +153,39 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             return {}
         return {"oppo/policy_lag_mean": sum(lags) / len(lags), "oppo/policy_lag_max": float(max(lags))}
 
+    def _discard_dropped(self) -> dict:
+        """Free the scores of the streamed sequences that training will not see (dropped by dynamic filtering,
+        or replaced by a ``-full`` stream): nothing else would, and the critic and policy would re-score
+        them after every weight update."""
+        dropped = self.samples_generator.take_dropped()
+        if not self.args.oppo.streamed_models:
+            return {}
+        self.experience_maker.discard(dropped)
+        return {"oppo/discarded_sequences": float(len(dropped))}
+
     def _oppo_metrics(self, status) -> dict:
         metrics = dict(getattr(self.experience_maker, "metrics", {}))
         metrics.update(getattr(self.samples_generator, "metrics", {}))
         if isinstance(self.samples_generator, OvercommitSamplesGenerator):
             self.samples_generator.record_reward(status["rollout/reward_mean"])
         if self.args.oppo.streamed_models:
-            metrics.update(self._update_chunk_size())
+            stats = self._scorer_stats()
+            metrics.update(self._update_chunk_size(stats))
+            metrics.update(_waiting_scores(stats))
         return metrics
 
-    def _update_chunk_size(self) -> dict:
+    def _scorer_stats(self) -> dict:
+        """Model name -> ``oppo_stats`` of each rank (which drains the prefill calls: once a step)."""
+        refs = {
+            name: self.scorer_groups[name].async_run_method(method_name="oppo_stats")
+            for name in self.args.oppo.streamed_models
+        }
+        return {name: ray.get(ranks) for name, ranks in refs.items()}
+
+    def _update_chunk_size(self, stats: dict) -> dict:
         calls_by_scorer = {}
-        for name in self.args.oppo.streamed_models:
-            stats = ray.get(self.scorer_groups[name].async_run_method(method_name="oppo_stats"))
-            for rank, rank_stats in enumerate(stats):
+        for name, ranks in stats.items():
+            for rank, rank_stats in enumerate(ranks):
                 calls_by_scorer[f"{name}:{rank}"] = rank_stats["calls"]
         before = self.chunk_controller.chunk_size
         after = self.chunk_controller.update(calls_by_scorer, self.samples_generator.last_generation_s)
@@ -216,6 +237,20 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         for part in ray.get(refs):
             events.extend(part)
         write_trace(os.path.join(self.args.oppo.trace_dir, f"step_{global_step:05d}.json"), events)
+
+
+def _waiting_scores(stats: dict) -> dict:
+    """Finished sequences whose scores wait in the scoring actors after the step, counted for the model
+    that holds most (summed over its ranks; each model holds one entry per sequence streamed to it).
+
+    Samples of carried groups wait there until a later step trains them; a count that grows step after
+    step is a leak. ``score_tombstones``: discarded sequences whose last chunk had not landed yet.
+    """
+
+    def most(key):
+        return float(max(sum(rank[key] for rank in ranks) for ranks in stats.values()))
+
+    return {"oppo/scores_waiting": most("waiting"), "oppo/score_tombstones": most("tombstones")}
 
 
 OPPOTrainerRayActor = ray.remote(OPPOTrainer)

@@ -68,6 +68,49 @@ def pipeline(ppo_args, checkpoints, engine):
     return cpu_pipeline.CPUPipeline(ppo_args, checkpoints["actor"], checkpoints["reward"], [engine])
 
 
+@pytest.fixture
+def grading_engine(engine):
+    """The engine as an agent that grades and edits its samples (``_grading_and_editing_executor``)."""
+    import ray
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    _set_executor(engine, _grading_and_editing_executor())
+    yield engine
+    _set_executor(engine, SingleTurnAgentExecutor())  # what the engine fixture built
+    ray.get(engine.oppo_hold.remote(False))  # as a test may leave it
+
+
+def _grading_and_editing_executor():
+    """Upstream's single-turn executor as an agent that grades and edits its samples.
+
+    The score is 1 for an even response length (outside dynamic filtering's range (0, 1): the group is
+    dropped) and 0.5 for an odd one. A response longer than 8 tokens loses its last token: training then
+    sees other tokens than were streamed, and the rollout actor replaces the stream by a ``-full`` one.
+    (Built in a function so that Ray pickles the class by value for the engine.)
+    """
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    class Executor(SingleTurnAgentExecutor):
+        async def execute(self, prompt, label, *args, **kwargs):
+            output = await super().execute(prompt, label, *args, **kwargs)
+            output["reward"] = output["scores"] = 1.0 if int(label) % 2 == 0 else 0.5
+            if int(label) > 8:
+                output["observation_tokens"] = output["observation_tokens"][:-1]
+                (start, end), *_ = output["action_ranges"]
+                output["action_ranges"] = [(start, end - 1)]
+                if output["rollout_log_probs"] is not None:
+                    output["rollout_log_probs"] = output["rollout_log_probs"][:-1]
+            return output
+
+    return Executor()
+
+
+def _set_executor(engine, executor):
+    import ray
+
+    ray.get(engine.__ray_call__.remote(lambda actor: setattr(actor, "executor", executor)))
+
+
 def _sampling(**kwargs):
     from vllm import SamplingParams
 

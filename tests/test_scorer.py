@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from openrlhf_oppo.streaming.actors import StreamingScorerMixin
 from openrlhf_oppo.streaming.scorer import Chunk, ChunkScorer
 
 TOLERANCE = 1e-5
@@ -154,3 +155,40 @@ def test_chunks_of_one_sequence_in_one_call_are_merged(models):
         chunks += [Chunk(f"s{i}", 0, tokens[:cut], prompt_len), Chunk(f"s{i}", cut, tokens[cut:], prompt_len, True)]
     assert_equal_to_upstream({"logprob": scorer.process(chunks)}, sequences, expected)
     assert scorer.stats["forwards"] == 1
+
+
+class _ScoringActor(StreamingScorerMixin):
+    """The scorer side of a streaming actor, without Ray or DeepSpeed."""
+
+    oppo_kind = "reward"
+
+    def __init__(self, model):
+        self.model = model
+
+    def oppo_model(self):
+        return self.model
+
+
+def test_discarded_sequences_are_not_kept(models):
+    actor = _ScoringActor(models["reward"])
+    actor.oppo_setup(1 << 30, temperature=1.0)
+    actor.oppo_prefill([Chunk(uid, 0, [5, 6, 7, 8], 2) for uid in ("early", "late", "kept")])
+
+    actor.oppo_discard(["early"])  # overtakes its last chunk, still on the way
+    assert actor.oppo_stats()["tombstones"] == 1
+    actor.oppo_prefill([Chunk(uid, 4, [9, 10], 2, final=True) for uid in ("early", "late", "kept")])
+    stats = actor.oppo_stats()
+    assert (stats["waiting"], stats["tombstones"]) == (2, 0)  # "early" landed and was dropped
+
+    actor.oppo_discard(["late"])  # after its last chunk: taken out of the finished ones
+    stats = actor.oppo_stats()
+    assert (stats["waiting"], stats["tombstones"], stats["cached_bytes"]) == (1, 0, 0)
+
+    # After a weight update only what is kept is re-scored.
+    actor.oppo_scorer.bump_version()
+    final_tokens = actor.oppo_scorer.stats["final_tokens"]
+    collected = actor.oppo_collect(["kept", "early", "late"])
+    assert actor.oppo_scorer.stats["final_tokens"] == final_tokens + 6
+    assert collected["kept"].output is not None and collected["kept"].version == 1
+    assert collected["early"] is None and collected["late"] is None
+    assert actor.oppo_stats()["waiting"] == 0

@@ -104,3 +104,71 @@ def test_streamed_tokens_and_logprobs_equal_upstream_generate(engine, connected,
     expected_logprobs = [d[t].logprob for t, d in zip(upstream.outputs[0].token_ids, upstream.outputs[0].logprobs)]
     assert streamed["rollout_log_probs"][len(prompt_ids) :] == expected_logprobs
     assert streamed["truncated"] is (upstream.outputs[0].finish_reason == "length")
+
+
+def scorer_stats(pipeline):
+    return {
+        name: ray.get(group.async_run_method(method_name="oppo_stats"))[0] for name, group in pipeline.groups.items()
+    }
+
+
+def flush_all(engine):
+    """Send every chunk still queued (held or not) and wait until they are prefilled."""
+    ray.get(ray.get(engine.oppo_flush.remote()))
+
+
+@pytest.mark.parametrize("kind", ["oppo", "overcommit"])
+def test_dropped_and_replaced_sequences_leave_no_scores_behind(
+    pipeline, connected, workload, grading_engine, monkeypatch, kind
+):
+    """Dynamic filtering drops the groups of even lengths (4 and 10); responses of 10 and 9 tokens are
+    edited after generation. None of those streams is ever collected: the trainer discards them.
+
+    One batch holds all four prompts, whatever order the loader shuffles them in. On the upstream path
+    (``oppo``) chunks are held until the experience maker sends them, so that every discard overtakes
+    its sequence's last chunk, as it can when an outbox is behind.
+    """
+    connected(4)
+    monkeypatch.setattr(pipeline.args.algo, "dynamic_filtering_enable", True)
+    held = kind == "oppo"  # the overcommit generator releases the hold as it starts
+    ray.get(grading_engine.oppo_hold.remote(held))
+    loader = prompt_dataloader(workload([3, 4, 10, 9], seed=17), pipeline.args, pipeline.tokenizer)
+    generator = pipeline.samples_generator(loader, kind, delta=0)
+    samples, _, _, _ = generator.generate_samples(**pipeline.generate_kwargs())
+    assert sorted({int(s.labels[0]) for s in samples}) == [3, 9]
+
+    dropped = generator.take_dropped()
+    assert len(dropped) == 2 * 2 + 2 * 2  # the filtered groups' samples, and the replaced streams
+    assert not {d["uid"] for d in dropped} & {s.oppo["uid"] for s in samples}
+    maker = pipeline.experience_maker(True)
+    maker.discard(dropped)  # as OPPOTrainer.train_step does, before making the experiences
+    maker.make_experience_batch(samples)
+    assert maker.metrics["oppo/fallback_micro_batches"] == 0  # the -full streams were scored and collected
+    if held:
+        assert all(stats["tombstones"] == len(dropped) for stats in scorer_stats(pipeline).values())
+    flush_all(grading_engine)  # the last chunks that the discards overtook land and are dropped
+    for stats in scorer_stats(pipeline).values():
+        assert (stats["waiting"], stats["tombstones"]) == (0, 0)
+
+
+def test_evaluation_samples_are_not_streamed(pipeline, connected, workload):
+    connected(4)
+    path = workload([5, 9, 3], seed=19)
+    loader = prompt_dataloader(path, pipeline.args, pipeline.tokenizer)
+    eval_loader = prompt_dataloader(path, pipeline.args, pipeline.tokenizer)
+    generator = pipeline.samples_generator(loader, "oppo", eval_dataloader=eval_loader)
+    before = scorer_stats(pipeline)
+    evaluated = generator.generate_eval_samples(**pipeline.generate_kwargs())
+    assert len(evaluated) == 3 * pipeline.args.rollout.n_samples_per_prompt
+    assert not any(s.oppo.get("streamed") for s in evaluated)
+    after = scorer_stats(pipeline)
+    for name in after:
+        for key in ("streamed_tokens", "final_tokens", "waiting"):
+            assert after[name][key] == before[name][key], (name, key)
+
+    # Streaming is back on for training samples, and once they are collected no score is left.
+    samples, _, _, _ = generator.generate_samples(**pipeline.generate_kwargs())
+    assert samples and all(s.oppo.get("streamed") for s in samples)
+    pipeline.experience_maker(True).make_experience_batch(samples)
+    flush_all(pipeline.engines[0])
+    assert all(stats["waiting"] == 0 for stats in scorer_stats(pipeline).values())

@@ -64,6 +64,8 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
         assert step["oppo/chunk_size"] == 8 and step["oppo/overcommit"] == 2
         assert step["oppo/fallback_micro_batches"] == 0  # carried samples were rescored, not recomputed
         assert 0 <= step["oppo/prefill_hidden_fraction"] <= 1
+        assert step["oppo/discarded_sequences"] == 0
+        assert step["oppo/scores_waiting"] <= step["oppo/carried_groups"] * 2  # only carried samples wait
     assert max(s["oppo/deferred_groups_trained"] for s in steps) > 0
     assert max(s["oppo/policy_lag_max"] for s in steps) >= 1
     traces = sorted(glob.glob(str(tmp_path / "trace" / "step_*.json")))
@@ -97,3 +99,31 @@ def test_checkpoint_keeps_carried_prompts_and_resume_trains_them_first(checkpoin
     trained_after = sum(s["rollout/num_samples"] for s in resumed) / 2
     assert trained_before + trained_after == len(LENGTHS)  # nothing lost, nothing twice
     assert sum(s["oppo/deferred_groups_trained"] for s in resumed) >= carried  # the restored groups were trained
+
+
+def test_filtered_and_edited_samples_are_discarded_and_evaluation_is_not_streamed(
+    checkpoints, grading_engine, tmp_path
+):
+    """The engine grades and edits its samples (``grading_engine``): dynamic filtering drops the groups of
+    even lengths, responses of more than 8 tokens are edited after generation, and every step evaluates.
+    No score is left waiting in a scoring actor after any step.
+
+    One step an episode with all four prompts. With more, the shuffle could leave a filtered prompt for a
+    last generation that has nothing to train: no step would discard what it dropped."""
+    prompts, evals = str(tmp_path / "prompts.jsonl"), str(tmp_path / "eval.jsonl")
+    tiny.write_prompts(prompts, [3, 4, 10, 9], seed=6)
+    tiny.write_prompts(evals, [3, 5], seed=7)
+    steps = run(
+        checkpoints, grading_engine, tmp_path, prompts,
+        "--oppo.enable", "--oppo.overcommit", "0", "--oppo.chunk_size", "4",
+        # The engine's executor is the agent; the flag tells upstream's checks that rewards come with samples.
+        "--algo.dynamic_filtering_enable", "--train.agent_func_path", "grading_engine.py",
+        "--eval.dataset", evals, "--eval.steps", "1", "--eval.n_samples_per_prompt", "2",
+        "--train.num_episodes", "2",
+    )  # fmt: skip
+    assert len(steps) == 2
+    for step in steps:
+        # The samples of the filtered groups (4 and 10), and the streams replaced when 10 and 9 were edited.
+        assert step["oppo/discarded_sequences"] == 2 * 2 + 2 * 2
+        assert step["oppo/scores_waiting"] == 0  # the first step's evaluation samples would wait here
+        assert step["oppo/fallback_micro_batches"] == 0

@@ -173,6 +173,7 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         stats["completed"] += 1
         if self.args.algo.dynamic_filtering_enable and not self._passes_filter(experiences):
             # As upstream: a filtered group is dropped and a new prompt takes its place.
+            self._drop(experiences)
             self.groups.remove(group)
             self._top_up(len(self.groups) + 1, generate_kwargs)
             return

@@ -5,6 +5,9 @@ Each subclass adds ``oppo_prefill`` (called by the rollout actors with a batch o
 serves whatever was not streamed. The critic and the policy train every step, so their ``fit`` bumps
 the scorer's weight version: sequences still streaming re-prefill under the new weights, and results
 computed with old weights are recomputed by the experience maker.
+
+Finished scores wait in ``oppo_finished`` until the experience maker collects them, or discards those
+that training will never ask for (``oppo_discard``).
 """
 
 import ray
@@ -36,6 +39,7 @@ class StreamingScorerMixin:
         )
         self.oppo_tracer = Tracer(enabled=trace, process=f"{self.oppo_kind} scorer")
         self.oppo_finished = {}  # uid -> ScoredSequence, until the experience maker collects it
+        self.oppo_discarded = set()  # uids discarded before their last chunk landed (tombstones)
 
     def oppo_prefill(self, chunks) -> int:
         """Prefill a batch of chunks (from one rollout actor); keep the scores of sequences that ended."""
@@ -46,6 +50,21 @@ class StreamingScorerMixin:
         """The scores of these finished sequences (None for one this actor has not finished)."""
         self._process(self._rescore_stale())
         return {uid: self.oppo_finished.pop(uid, None) for uid in uids}
+
+    def oppo_discard(self, uids) -> None:
+        """Forget these sequences: training will never collect them (dropped by dynamic filtering, or
+        replaced by a ``-full`` stream). Left in ``oppo_finished`` they would stay for the whole run and be
+        re-scored after every weight update.
+
+        A uid not finished here yet gets a tombstone: its last chunk may still be queued in a rollout
+        actor (the discard can overtake it), and its result is dropped when it lands.
+        """
+        for uid in uids:
+            if uid in self.oppo_finished:
+                del self.oppo_finished[uid]
+            else:
+                self.oppo_discarded.add(uid)
+        self.oppo_scorer.release(uids)
 
     def _rescore_stale(self) -> list:
         """Sequences that ended before the last weight update, to score again with the new weights.
@@ -64,23 +83,35 @@ class StreamingScorerMixin:
         module.eval()
         try:
             with self.oppo_tracer.span("prefill", track=self.oppo_kind, chunks=len(chunks)):
-                self.oppo_finished.update(self.oppo_scorer.process(chunks))
+                results = self.oppo_scorer.process(chunks)
         finally:
             module.train(was_training)
+        for uid, result in results.items():
+            if uid in self.oppo_discarded:
+                self.oppo_discarded.discard(uid)
+            else:
+                self.oppo_finished[uid] = result
 
     def oppo_version(self) -> int:
         return self.oppo_scorer.version
 
     def oppo_stats(self) -> dict:
-        """Counters since set-up, and (new tokens, forwards, seconds) of each prefill call since the last."""
+        """Counters since set-up, and (new tokens, forwards, seconds) of each prefill call since the last.
+
+        ``waiting``: finished sequences not collected yet; ``tombstones``: discarded ones whose last chunk
+        has not landed. Both stay small when every finished sequence is collected or discarded.
+        """
         scorer = self.oppo_scorer
-        return dict(scorer.stats, cached_bytes=scorer.cached_bytes(), calls=scorer.drain_calls())
+        return dict(
+            scorer.stats,
+            cached_bytes=scorer.cached_bytes(),
+            calls=scorer.drain_calls(),
+            waiting=len(self.oppo_finished),
+            tombstones=len(self.oppo_discarded),
+        )
 
     def oppo_drain_trace(self) -> list:
         return self.oppo_tracer.drain()
-
-    def oppo_release(self, uids) -> None:
-        self.oppo_scorer.release(uids)
 
 
 class _TrainableScorerMixin(StreamingScorerMixin):

@@ -7,7 +7,7 @@ still queued in the rollout actors, wait for those prefill calls, collect each s
 the rank that holds it, and lay them out in the tensors upstream's ``forward`` would have returned for
 the same micro-batch. Only micro-batches with a sequence that could not be streamed (or was scored by
 an older critic/policy) go to the model the upstream way. KL, reward shaping, GAE and whitening stay
-upstream's.
+upstream's. Scores that no batch will collect are discarded (``discard``).
 """
 
 import time
@@ -53,6 +53,17 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
     def make_experience(self, samples_list: List[Experience]) -> List[Experience]:
         self._samples_list = samples_list
         return super().make_experience(samples_list)
+
+    def discard(self, infos) -> None:
+        """Drop the scores of streamed sequences that training will not use (``oppo`` infos, as
+        ``OPPOSamplesGenerator.take_dropped`` lists them) from the scoring actors that hold them."""
+        calls = []
+        for model, group in self._groups().items():
+            if model in self.streamed_models:
+                handlers = group._actor_handlers  # noqa: SLF001 - RayActorGroup exposes no accessor
+                uids_by_rank = _uids_by_rank(model, infos, len(handlers))
+                calls += [handlers[rank].oppo_discard.remote(uids) for rank, uids in uids_by_rank.items()]
+        ray.get(calls)
 
     def _dispatch_forward(self, group, sync_condition, **kwargs):
         model = self._model_name(group)
@@ -113,10 +124,7 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
             if model not in self.streamed_models:
                 continue
             handlers = group._actor_handlers  # noqa: SLF001 - RayActorGroup exposes no accessor
-            uids_by_rank = {}
-            for stream in self._streams:
-                if stream and model in stream.get("streamed", ()):
-                    uids_by_rank.setdefault(route(stream["uid"], len(handlers)), []).append(stream["uid"])
+            uids_by_rank = _uids_by_rank(model, self._streams, len(handlers))
             collects = [handlers[rank].oppo_collect.remote(uids) for rank, uids in uids_by_rank.items()]
             calls[model] = (collects, handlers[0].oppo_version.remote())
         with self.tracer.span("collect", track="make_experience"):
@@ -161,6 +169,15 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
             dense[row, r.prompt_len - 1 : r.length - 1] = r.output
         # As upstream: outputs outside the action span are zeroed by the float mask.
         return dense * samples.action_mask.float()
+
+
+def _uids_by_rank(model: str, infos, ranks: int) -> Dict[int, List[str]]:
+    """The uids of the sequences streamed to ``model``, by the rank of its group that holds their scores."""
+    uids_by_rank = {}
+    for info in infos:
+        if info and model in info.get("streamed", ()):
+            uids_by_rank.setdefault(route(info["uid"], ranks), []).append(info["uid"])
+    return uids_by_rank
 
 
 def _run_forward(group, kwargs) -> List[ray.ObjectRef]:

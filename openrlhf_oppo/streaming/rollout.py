@@ -125,7 +125,7 @@ class ChunkOutbox:
 
 @dataclass(eq=False)  # identity hash: streams live in a set
 class SampleStream:
-    """The tokens of one sample, cut into chunks as they arrive."""
+    """The tokens of one sample, cut into chunks as they arrive (none are sent without an ``outbox``)."""
 
     uid: str
     outbox: Optional[ChunkOutbox]
@@ -136,6 +136,7 @@ class SampleStream:
     first_version: Optional[int] = None
     last_version: Optional[int] = None
     last_token_time: float = 0.0
+    replaced_uid: Optional[str] = None  # the stream closed by ``finish`` when the sample was edited
 
     def begin_turn(self, prompt_token_ids: List[int], version: int) -> None:
         """A generate call starts: its prompt extends the sequence (multi-turn agents add feedback)."""
@@ -164,6 +165,7 @@ class SampleStream:
             # The sample was edited after generation (truncated, or an agent rewrote it). Close the
             # stream that no longer matches (freeing its caches) and score what training sees, in full.
             self._emit(final=True)
+            self.replaced_uid = self.uid
             self.uid, self.sent = f"{self.uid}-full", []
         self.pending = list(final_tokens[len(self.sent) :])
         self._emit(final=True)
@@ -179,6 +181,7 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
         self.chunk_size = 64
         self.weight_version = 0
         self.outbox: Optional[ChunkOutbox] = None
+        self.streaming = True  # off while evaluating: nobody collects the scores of evaluation samples
         self.salt_prompts = False  # set by oppo_connect when requests outlive weight updates
         self.active_requests, self.active_since = 0, 0.0
         self.streams = set()  # samples being generated
@@ -196,6 +199,10 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
 
     def oppo_set_tokenizer(self, hf_tokenizer) -> None:
         self.hf_tokenizer = hf_tokenizer
+
+    def oppo_set_streaming(self, enabled: bool) -> None:
+        """Stream the samples started from now on (``True``) or not. Samples in flight keep their setting."""
+        self.streaming = enabled
 
     def oppo_set_chunk_size(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
@@ -250,7 +257,7 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
         return await asyncio.gather(*samples)
 
     async def _generate_sample(self, prompt, label, sampling_params, max_length, hf_tokenizer, images):
-        stream = SampleStream(random_uuid(), self.outbox, self.chunk_size)
+        stream = SampleStream(random_uuid(), self.outbox if self.streaming else None, self.chunk_size)
         _CURRENT_SAMPLE.set(stream)  # this coroutine runs as its own task: the value stays in it
         self.streams.add(stream)
         try:
@@ -272,11 +279,13 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
             last_version=stream.last_version,
             last_token_time=stream.last_token_time,
         )
-        if self.outbox is not None:
+        if stream.outbox is not None:
             # The samples generator truncates to max_length; score exactly what training sees.
             final_tokens = response["observation_tokens"][:max_length]
             stream.finish(final_tokens)
-            info.update(uid=stream.uid, length=len(final_tokens), streamed=list(self.outbox.scorers))
+            info.update(uid=stream.uid, length=len(final_tokens), streamed=list(stream.outbox.scorers))
+            if stream.replaced_uid is not None:
+                info["replaced_uid"] = stream.replaced_uid  # its scores are never collected: to discard
         response["oppo"] = info
         return response
 
@@ -284,7 +293,7 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
         stream = _CURRENT_SAMPLE.get()
         self._track_activity(+1)
         try:
-            if stream is not None and (self.outbox is not None or self.salt_prompts):
+            if stream is not None and (stream.outbox is not None or self.salt_prompts):
                 return await self._generate_streamed(stream, prompt_token_ids, sampling_params, multi_modal_data)
             result = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
             if stream is not None:
