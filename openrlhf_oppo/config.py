@@ -10,8 +10,6 @@ overcommit bounds, ...) in ``args.oppo`` so that every process reads the same pl
 import argparse
 import math
 
-STREAMABLE_MODELS = ("reward", "critic", "ref", "actor")
-
 
 class OPPOConfigError(ValueError):
     """A configuration OPPO cannot run; the message says what to use instead."""
@@ -145,6 +143,46 @@ OPTIONS = {
         ),
         False,
     ),
+    "prefill_calls_in_flight": (
+        dict(
+            type=_bounded(int, "--oppo.prefill_calls_in_flight", 1),
+            help="Prefill calls a rollout actor keeps in flight to one scoring actor; further chunks wait and go "
+            "out together in the next call (fewer, larger calls when a scorer falls behind).",
+        ),
+        2,
+    ),
+    "flush_interval_ms": (
+        dict(
+            type=_bounded(float, "--oppo.flush_interval_ms", 0.0),
+            help="How long a rollout actor waits after a chunk is ready before sending, so that the chunks of one "
+            "decode step (one per running sequence) go out in one call.",
+        ),
+        5.0,
+    ),
+    "max_prefill_tokens": (
+        dict(
+            type=_bounded(int, "--oppo.max_prefill_tokens", 1),
+            help="New tokens (padded) in one prefill forward pass of a scorer; a larger batch of chunks is split. "
+            "Bounds the activations of one pass and how long it holds the GPU.",
+        ),
+        16384,
+    ),
+    "max_prefill_cached_tokens": (
+        dict(
+            type=_bounded(int, "--oppo.max_prefill_cached_tokens", 1),
+            help="Cached tokens (padded) gathered for one prefill forward pass (the gathered keys and values are "
+            "a copy of that size).",
+        ),
+        65536,
+    ),
+    "call_timeout_s": (
+        dict(
+            type=_bounded(float, "--oppo.call_timeout_s", 1.0),
+            help="The longest the trainer waits for any call to a rollout or scoring actor (flush, collect, pause, "
+            "...) before it stops the run with an error naming the actor; Ray would wait forever on a hung one.",
+        ),
+        900.0,
+    ),
     "trace_dir": (
         dict(
             help="Write a Chrome/Perfetto trace per step here (generation per engine, chunk prefills, experience, "
@@ -189,7 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def validate(args) -> None:
     """Check the parsed (hierarchized) args and store OPPO's resolved plan in ``args.oppo``."""
     oppo = args.oppo
-    if hasattr(oppo, "streamed_models"):
+    if hasattr(oppo, "streamed_roles"):
         return  # already validated (the wrapper and upstream's extension hook both call this)
     given = [name for name in OPTIONS if getattr(oppo, name) not in (None, False)]
     if not oppo.enable:
@@ -206,7 +244,7 @@ def validate(args) -> None:
         _check_oppo(args)
         _resolve_plan(args)
     else:
-        oppo.streamed_models, oppo.inter_step = [], False
+        oppo.streamed_roles, oppo.inter_step = [], False
     print(f"[openrlhf-oppo] {describe(args)}", flush=True)
 
 
@@ -281,20 +319,20 @@ def _streams(args) -> bool:
 
 
 def _resolve_plan(args) -> None:
-    """Decide which models stream and how the overcommit bounds fall, once, for every process."""
+    """Decide which roles stream and how the overcommit bounds fall, once, for every process."""
     oppo = args.oppo
-    models = []
+    roles = []
     if _streams(args):
-        if not args.reward.remote_url and not args.train.agent_func_path:
-            models.append("reward")
-        if args.algo.advantage.estimator == "gae":
-            models.append("critic")
-        if args.algo.kl.init_coef > 0:
-            models.append("ref")
         # The policy's GPUs are idle during generation unless the engines live on them.
         if not args.train.colocate_all:
-            models.append("actor")
-    oppo.streamed_models = models
+            roles.append("policy")
+        if args.algo.advantage.estimator == "gae":
+            roles.append("critic")
+        if not args.reward.remote_url and not args.train.agent_func_path:
+            roles.append("reward")
+        if args.algo.kl.init_coef > 0:
+            roles.append("reference")
+    oppo.streamed_roles = roles
 
     batch = args.rollout.batch_size
     if oppo.overcommit_max is None:
@@ -312,7 +350,7 @@ def describe(args) -> str:
     oppo = args.oppo
     if not oppo.enable:
         return "OPPO off" + (" (models colocated, vLLM apart)" if oppo.colocate_models else "")
-    parts = [f"intra-step streaming of {', '.join(oppo.streamed_models)}" if oppo.streamed_models else "no streaming"]
+    parts = [f"intra-step streaming to {', '.join(oppo.streamed_roles)}" if oppo.streamed_roles else "no streaming"]
     if oppo.inter_step:
         parts.append(
             f"overcommit {oppo.overcommit} (start {oppo.overcommit_initial}), carry_kv {oppo.carry_kv}, "

@@ -54,8 +54,9 @@ def run_gpu(args):
 def run_cpu(args):
     import ray
 
-    from openrlhf_oppo import cpu_pipeline, tiny
+    from openrlhf_oppo import tiny
     from openrlhf_oppo.bench import report
+    from openrlhf_oppo.testing import cpu_pipeline
 
     os.makedirs(args.out, exist_ok=True)
     print("[demo] building a tiny tokenizer, random Qwen2 checkpoints and a long-tail prompt set")
@@ -113,8 +114,8 @@ def run_cpu(args):
         results["systems"][system] = dict(
             steps=steps, summary=report.summarize(steps[1 : 1 + args.steps]), wall_s=time.time() - started
         )
-        _kill(pipeline)
-        ray.get(engine.oppo_resume.remote(0, resume=False))
+        pipeline.coordinator.resume(0, resume=False)  # the next system starts at weight version 0
+        pipeline.kill()
     print()
     print(report.table(results))
     print("Phases are OpenRLHF's timing/* (train is a stand-in here); oppo/* are OPPO's metrics.")
@@ -123,7 +124,7 @@ def run_cpu(args):
 
 def check_streamed_scores(ppo_args, actor, reward, engine, prompts):
     """One batch through both experience makers: the streamed scores must equal upstream's."""
-    from openrlhf_oppo import cpu_pipeline
+    from openrlhf_oppo.testing import cpu_pipeline
 
     pipeline = cpu_pipeline.CPUPipeline(ppo_args, actor, reward, [engine])
     pipeline.connect(chunk_size=8)
@@ -139,17 +140,9 @@ def check_streamed_scores(ppo_args, actor, reward, engine, prompts):
     verdict = "equal" if worst <= 1e-5 else "DIFFERENT"
     print(f"[demo] streamed scores vs upstream's full forward (float32): max |diff| = {worst:.2e}: {verdict}")
     pipeline.disconnect()
-    _kill(pipeline)
+    pipeline.kill()
     if worst > 1e-5:
         sys.exit(1)
-
-
-def _kill(pipeline):
-    import ray
-
-    for group in pipeline.groups.values():
-        for handle in group._actor_handlers:
-            ray.kill(handle)
 
 
 def _params():

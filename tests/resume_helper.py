@@ -17,7 +17,7 @@ def main(checkpoint, prompts, out, actor, reward):
     from conftest import ENGINE_NAME, NAMESPACE, PPO_FLAGS
     from test_overcommit import groups_of
 
-    from openrlhf_oppo import cpu_pipeline
+    from openrlhf_oppo.testing import cpu_pipeline
 
     ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
     args = cpu_pipeline.ppo_args(tempfile.mkdtemp(), actor, reward, *PPO_FLAGS)

@@ -26,4 +26,4 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
     if system.startswith("oppo"):
         assert args.oppo.inter_step == (system != "oppo-intra")
         assert args.oppo.top_up == ("step_end" if system == "oppo-both-early" else "step_start")
-        assert bool(args.oppo.streamed_models) == (system != "oppo-inter")
+        assert bool(args.oppo.streamed_roles) == (system != "oppo-inter")

@@ -100,17 +100,17 @@ def test_bad_values_are_refused_by_the_parser(flag, value, capsys):
 @pytest.mark.parametrize(
     "extra, streamed",
     [
-        ([], ["reward", "critic", "ref", "actor"]),
+        ([], ["policy", "critic", "reward", "reference"]),
         (["--train.colocate_all"], []),  # auto: off where vLLM shares the GPUs
-        (["--train.colocate_all", "--oppo.intra_step", "on"], ["reward", "critic", "ref"]),
-        (["--reward.remote_url", "http://localhost:1/rm"], ["critic", "ref", "actor"]),
-        (["--algo.advantage.estimator", "reinforce", "--algo.kl.init_coef", "0"], ["reward", "actor"]),
+        (["--train.colocate_all", "--oppo.intra_step", "on"], ["critic", "reward", "reference"]),
+        (["--reward.remote_url", "http://localhost:1/rm"], ["policy", "critic", "reference"]),
+        (["--algo.advantage.estimator", "reinforce", "--algo.kl.init_coef", "0"], ["policy", "reward"]),
         (["--oppo.intra_step", "off"], []),
     ],
 )
-def test_which_models_stream(extra, streamed):
+def test_which_roles_stream(extra, streamed):
     args = parse_args(BASE + ["--oppo.enable"] + extra)
-    assert args.oppo.streamed_models == streamed
+    assert args.oppo.streamed_roles == streamed
 
 
 def test_overcommit_defaults_follow_the_batch_size():

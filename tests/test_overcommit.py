@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from vllm import SamplingParams
 
-from openrlhf_oppo.cpu_pipeline import prompt_dataloader
+from openrlhf_oppo.coordinator import StreamCoordinator
+from openrlhf_oppo.testing.cpu_pipeline import STREAM_SETTINGS, prompt_dataloader
 
 pytestmark = pytest.mark.engine
 
@@ -147,19 +148,20 @@ def test_weight_update_with_a_request_in_flight(pipeline, engine, checkpoints, c
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     length = 200
     original, changed = _other_weights(checkpoints["actor"], tmp_path)
-    ray.get(engine.oppo_connect.remote({}, 8, True))  # inter-step mode: samples are tracked
+    coordinator = StreamCoordinator([engine], {})
+    coordinator.connect({}, dict(STREAM_SETTINGS, chunk_size=8, salt_prompts=True))  # inter-step: samples tracked
     try:
         running = engine.generate_responses.remote(prompt, str(length), _greedy(length), 256, tokenizer, 1)
         while not any(n >= 5 for n in ray.get(engine.oppo_in_flight.remote()).values()):
             time.sleep(0.01)
-        ray.get(engine.oppo_pause.remote(clear_cache=carry_kv == "recompute"))
+        coordinator.pause(clear_cache=carry_kv == "recompute")
         time.sleep(0.5)  # outputs computed before the pause are still on their way to the stream
         done_before = list(ray.get(engine.oppo_in_flight.remote()).values())[0]
         ray.get(engine.load_weights.remote(changed))
-        ray.get(engine.oppo_resume.remote(1))
+        coordinator.resume(1)
         response = ray.get(running)[0]
         tokens = response["observation_tokens"][len(prompt_ids) :]
-        assert len(tokens) == length and response["oppo"]["last_version"] == 1
+        assert len(tokens) == length and response["stream_info"].last_version == 1
 
         fresh = ray.get(engine.generate.remote(prompt_ids + tokens[:done_before], _greedy(length - done_before)))
         continuation = list(fresh.outputs[0].token_ids)
@@ -169,5 +171,5 @@ def test_weight_update_with_a_request_in_flight(pipeline, engine, checkpoints, c
             assert tokens[done_before:] != continuation
     finally:
         ray.get(engine.load_weights.remote(original))
-        ray.get(engine.oppo_resume.remote(0))
-        ray.get(engine.oppo_connect.remote({}, 8, False))
+        coordinator.resume(0)
+        coordinator.connect({}, dict(STREAM_SETTINGS, chunk_size=8, salt_prompts=False))

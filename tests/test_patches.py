@@ -61,7 +61,7 @@ def test_upstream_cli_loads_oppo_as_an_extension(patched):
             args, components = captured.args
             print("trainer", components["trainer"].__ray_actor_class__.__name__)
             print("rollout", components["rollout"].__ray_actor_class__.__name__)
-            print("streamed", args.oppo.streamed_models, "colocate_models", args.train.colocate_models)
+            print("streamed", args.oppo.streamed_roles, "colocate_models", args.train.colocate_models)
         """,
     )
     assert "trainer OPPOTrainer" in out and "rollout OPPORolloutActor" in out

@@ -5,8 +5,9 @@ import random
 import pytest
 import torch
 
+from openrlhf_oppo.protocol import Chunk
 from openrlhf_oppo.streaming.actors import StreamingScorerMixin
-from openrlhf_oppo.streaming.scorer import Chunk, ChunkScorer
+from openrlhf_oppo.streaming.scorer import ChunkScorer
 
 TOLERANCE = 1e-5
 TEMPERATURE = 0.7
@@ -52,7 +53,7 @@ def upstream_outputs(models, input_ids, attention_mask, action_mask):
     return dict(
         reward=models["reward"](input_ids, attention_mask, pad_sequence=True),
         critic=models["critic"](input_ids, action_mask, attention_mask),
-        logprob=models["actor"](input_ids, action_mask, attention_mask),
+        policy=models["actor"](input_ids, action_mask, attention_mask),
     )
 
 
@@ -75,20 +76,20 @@ def scorers(models, budget=1 << 30):
     return dict(
         reward=ChunkScorer(models["reward"], "reward", budget),
         critic=ChunkScorer(models["critic"], "critic", budget),
-        logprob=ChunkScorer(models["actor"].model, "logprob", budget, temperature=TEMPERATURE),
+        policy=ChunkScorer(models["actor"].model, "policy", budget, temperature=TEMPERATURE),
     )
 
 
 def assert_equal_to_upstream(results, sequences, expected):
-    for kind, by_uid in results.items():
+    for role, by_uid in results.items():
         for i, (prompt_len, tokens) in enumerate(sequences):
             scored = by_uid[f"s{i}"]
-            assert scored.output is not None, (kind, i)
-            if kind == "reward":
+            assert scored.output is not None, (role, i)
+            if role == "reward":
                 torch.testing.assert_close(scored.output, expected["reward"][i], atol=TOLERANCE, rtol=0)
             else:
                 assert scored.output.shape == (len(tokens) - prompt_len,)
-                span = expected[kind][i, prompt_len - 1 : len(tokens) - 1]
+                span = expected[role][i, prompt_len - 1 : len(tokens) - 1]
                 torch.testing.assert_close(scored.output, span, atol=TOLERANCE, rtol=0)
 
 
@@ -96,18 +97,18 @@ def assert_equal_to_upstream(results, sequences, expected):
 def test_streamed_scores_equal_full_forward(models, chunk_size):
     sequences, input_ids, attention_mask, action_mask = make_batch(seed=chunk_size)
     expected = upstream_outputs(models, input_ids, attention_mask, action_mask)
-    results = {kind: stream(scorer, sequences, chunk_size) for kind, scorer in scorers(models).items()}
+    results = {role: stream(scorer, sequences, chunk_size) for role, scorer in scorers(models).items()}
     assert_equal_to_upstream(results, sequences, expected)
     if chunk_size < 64:
         longer = [r for r in results["critic"].values() if r.length - r.prompt_len > chunk_size]
-        assert longer and all(r.streamed_tokens > 0 for r in longer)
+        assert longer and all(len(r.prefilled) > 1 for r in longer)  # prefilled before the last chunk too
 
 
 def test_cache_budget_evicts_and_results_stay_equal(models):
     sequences, input_ids, attention_mask, action_mask = make_batch(seed=3)
     expected = upstream_outputs(models, input_ids, attention_mask, action_mask)
     tight = scorers(models, budget=40_000)  # a few hundred tokens of KV for all sequences together
-    results = {kind: stream(scorer, sequences, 5) for kind, scorer in tight.items()}
+    results = {role: stream(scorer, sequences, 5) for role, scorer in tight.items()}
     assert_equal_to_upstream(results, sequences, expected)
     assert all(scorer.stats["evictions"] > 0 for scorer in tight.values())
     assert all(scorer.cached_bytes() == 0 for scorer in tight.values())  # nothing left behind
@@ -148,19 +149,17 @@ def test_missing_chunk_leaves_the_sequence_to_upstream(models):
 def test_chunks_of_one_sequence_in_one_call_are_merged(models):
     sequences, input_ids, attention_mask, action_mask = make_batch(seed=9, count=2)
     expected = upstream_outputs(models, input_ids, attention_mask, action_mask)
-    scorer = ChunkScorer(models["actor"].model, "logprob", 1 << 30, temperature=TEMPERATURE)
+    scorer = ChunkScorer(models["actor"].model, "policy", 1 << 30, temperature=TEMPERATURE)
     chunks = []
     for i, (prompt_len, tokens) in enumerate(sequences):
         cut = prompt_len + 1
         chunks += [Chunk(f"s{i}", 0, tokens[:cut], prompt_len), Chunk(f"s{i}", cut, tokens[cut:], prompt_len, True)]
-    assert_equal_to_upstream({"logprob": scorer.process(chunks)}, sequences, expected)
+    assert_equal_to_upstream({"policy": scorer.process(chunks)}, sequences, expected)
     assert scorer.stats["forwards"] == 1
 
 
 class _ScoringActor(StreamingScorerMixin):
     """The scorer side of a streaming actor, without Ray or DeepSpeed."""
-
-    oppo_kind = "reward"
 
     def __init__(self, model):
         self.model = model
@@ -171,18 +170,20 @@ class _ScoringActor(StreamingScorerMixin):
 
 def test_discarded_sequences_are_not_kept(models):
     actor = _ScoringActor(models["reward"])
-    actor.oppo_setup(1 << 30, temperature=1.0)
+    actor.oppo_setup(
+        "reward", 1 << 30, temperature=1.0, max_tokens_per_forward=4096, max_cached_tokens_per_forward=4096
+    )
     actor.oppo_prefill([Chunk(uid, 0, [5, 6, 7, 8], 2) for uid in ("early", "late", "kept")])
 
     actor.oppo_discard(["early"])  # overtakes its last chunk, still on the way
-    assert actor.oppo_stats()["tombstones"] == 1
+    assert actor.oppo_stats().tombstones == 1
     actor.oppo_prefill([Chunk(uid, 4, [9, 10], 2, final=True) for uid in ("early", "late", "kept")])
     stats = actor.oppo_stats()
-    assert (stats["waiting"], stats["tombstones"]) == (2, 0)  # "early" landed and was dropped
+    assert (stats.waiting, stats.tombstones) == (2, 0)  # "early" landed and was dropped
 
     actor.oppo_discard(["late"])  # after its last chunk: taken out of the finished ones
     stats = actor.oppo_stats()
-    assert (stats["waiting"], stats["tombstones"], stats["cached_bytes"]) == (1, 0, 0)
+    assert (stats.waiting, stats.tombstones, stats.cached_bytes) == (1, 0, 0)
 
     # After a weight update only what is kept is re-scored.
     actor.oppo_scorer.bump_version()
@@ -191,4 +192,4 @@ def test_discarded_sequences_are_not_kept(models):
     assert actor.oppo_scorer.stats["final_tokens"] == final_tokens + 6
     assert collected["kept"].output is not None and collected["kept"].version == 1
     assert collected["early"] is None and collected["late"] is None
-    assert actor.oppo_stats()["waiting"] == 0
+    assert actor.oppo_stats().waiting == 0

@@ -11,7 +11,7 @@ import ray
 import torch
 from vllm import SamplingParams
 
-from openrlhf_oppo.cpu_pipeline import prompt_dataloader
+from openrlhf_oppo.testing.cpu_pipeline import prompt_dataloader
 
 pytestmark = pytest.mark.engine
 
@@ -71,8 +71,8 @@ def test_cache_eviction_keeps_experiences_equal(pipeline, connected, workload):
     samples = generate(pipeline, workload(LENGTHS[4:], seed=11))
     streamed, upstream, metrics = experiences_both_ways(pipeline, samples)
     assert_same_experiences(streamed, upstream)
-    stats = ray.get(pipeline.groups["critic"].async_run_method(method_name="oppo_stats"))[0]
-    assert stats["evictions"] > 0 and stats["cached_bytes"] == 0
+    stats = pipeline.coordinator.stats()["critic"][0]
+    assert stats.evictions > 0 and stats.cached_bytes == 0
     assert metrics["oppo/fallback_micro_batches"] == 0
 
 
@@ -86,8 +86,8 @@ def test_responses_have_the_labelled_lengths_and_stream_tags(pipeline, connected
         assert len(group) == pipeline.args.rollout.n_samples_per_prompt
         assert {int(s.response_length) for s in group} == {int(group[0].labels[0])}
         for sample in group:
-            assert set(sample.oppo["streamed"]) == {"reward", "critic", "ref", "actor"}
-            assert sample.oppo["length"] == int(sample.attention_mask.sum())
+            assert set(sample.stream.streamed) == {"policy", "critic", "reward", "reference"}
+            assert sample.stream.length == int(sample.attention_mask.sum())
 
 
 def test_streamed_tokens_and_logprobs_equal_upstream_generate(engine, connected, pipeline, checkpoints):
@@ -107,9 +107,7 @@ def test_streamed_tokens_and_logprobs_equal_upstream_generate(engine, connected,
 
 
 def scorer_stats(pipeline):
-    return {
-        name: ray.get(group.async_run_method(method_name="oppo_stats"))[0] for name, group in pipeline.groups.items()
-    }
+    return {role: ranks[0] for role, ranks in pipeline.coordinator.stats().items()}
 
 
 def flush_all(engine):
@@ -139,16 +137,16 @@ def test_dropped_and_replaced_sequences_leave_no_scores_behind(
 
     dropped = generator.take_dropped()
     assert len(dropped) == 2 * 2 + 2 * 2  # the filtered groups' samples, and the replaced streams
-    assert not {d["uid"] for d in dropped} & {s.oppo["uid"] for s in samples}
+    assert not {d.uid for d in dropped} & {s.stream.uid for s in samples}
+    pipeline.coordinator.discard(dropped)  # as OPPOTrainer.train_step does, before making the experiences
     maker = pipeline.experience_maker(True)
-    maker.discard(dropped)  # as OPPOTrainer.train_step does, before making the experiences
     maker.make_experience_batch(samples)
     assert maker.metrics["oppo/fallback_micro_batches"] == 0  # the -full streams were scored and collected
     if held:
-        assert all(stats["tombstones"] == len(dropped) for stats in scorer_stats(pipeline).values())
+        assert all(stats.tombstones == len(dropped) for stats in scorer_stats(pipeline).values())
     flush_all(grading_engine)  # the last chunks that the discards overtook land and are dropped
     for stats in scorer_stats(pipeline).values():
-        assert (stats["waiting"], stats["tombstones"]) == (0, 0)
+        assert (stats.waiting, stats.tombstones) == (0, 0)
 
 
 def test_evaluation_samples_are_not_streamed(pipeline, connected, workload):
@@ -160,15 +158,15 @@ def test_evaluation_samples_are_not_streamed(pipeline, connected, workload):
     before = scorer_stats(pipeline)
     evaluated = generator.generate_eval_samples(**pipeline.generate_kwargs())
     assert len(evaluated) == 3 * pipeline.args.rollout.n_samples_per_prompt
-    assert not any(s.oppo.get("streamed") for s in evaluated)
+    assert not any(s.stream.ranks for s in evaluated)
     after = scorer_stats(pipeline)
     for name in after:
         for key in ("streamed_tokens", "final_tokens", "waiting"):
-            assert after[name][key] == before[name][key], (name, key)
+            assert getattr(after[name], key) == getattr(before[name], key), (name, key)
 
     # Streaming is back on for training samples, and once they are collected no score is left.
     samples, _, _, _ = generator.generate_samples(**pipeline.generate_kwargs())
-    assert samples and all(s.oppo.get("streamed") for s in samples)
+    assert samples and all(s.stream.ranks for s in samples)
     pipeline.experience_maker(True).make_experience_batch(samples)
     flush_all(pipeline.engines[0])
-    assert all(stats["waiting"] == 0 for stats in scorer_stats(pipeline).values())
+    assert all(stats.waiting == 0 for stats in scorer_stats(pipeline).values())

@@ -8,11 +8,11 @@ import json
 import os
 
 import pytest
-import ray
 import torch
 
-from openrlhf_oppo import cpu_pipeline, tiny
+from openrlhf_oppo import tiny
 from openrlhf_oppo.bench.report import read_steps
+from openrlhf_oppo.testing import cpu_pipeline
 
 pytestmark = pytest.mark.engine
 
@@ -40,10 +40,8 @@ def run(checkpoints, engine, workdir, prompts, *extra):
 
         pipeline.run_ppo(OPPOTrainerRayActor)
     finally:
-        ray.get(engine.oppo_resume.remote(0, resume=False))
-        for group in pipeline.groups.values():
-            for handle in group._actor_handlers:
-                ray.kill(handle)
+        pipeline.coordinator.resume(0, resume=False)  # the shared engine starts the next test at version 0
+        pipeline.kill()
     return read_steps(str(workdir / "tb" / "run"))
 
 
@@ -83,7 +81,7 @@ def test_checkpoint_keeps_carried_prompts_and_resume_trains_them_first(checkpoin
 
     saved = sorted(glob.glob(str(tmp_path / "ckpt" / "_actor" / "global_step*.pt")))
     states = [torch.load(path, weights_only=False) for path in saved]
-    with_carry = [s for s in states if s["oppo_carry"]["carried"]]
+    with_carry = [s for s in states if s["overcommit_sampler"]["carried"]]
     assert with_carry, "no step ended with groups carried over"
     # Resume from the first checkpoint that has carried groups.
     state = with_carry[0]
@@ -94,7 +92,7 @@ def test_checkpoint_keeps_carried_prompts_and_resume_trains_them_first(checkpoin
         checkpoints, engine, tmp_path / "resumed", prompts, *common,
         "--ckpt.load_enable", "--ckpt.path", str(tmp_path / "ckpt"),
     )  # fmt: skip
-    carried = len(state["oppo_carry"]["carried"])
+    carried = len(state["overcommit_sampler"]["carried"])
     trained_before = state["total_consumed_prompts"]
     trained_after = sum(s["rollout/num_samples"] for s in resumed) / 2
     assert trained_before + trained_after == len(LENGTHS)  # nothing lost, nothing twice

@@ -74,7 +74,7 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         if self.args.vllm.enable_sleep:
             batch_vllm_engine_call(self.vllm_engines, "wake_up")
         # Carried sequences stream again: their chunks held through training now meet the new weights.
-        batch_vllm_engine_call(self.vllm_engines, "oppo_hold", False)
+        self.coordinator.release()
 
         started = time.time()
         batch = self.args.rollout.batch_size
@@ -87,13 +87,13 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
 
         # Until the next step, carried sequences only queue their chunks: the scoring GPUs are about to
         # train, and the critic's and policy's scores would be computed with weights about to change.
-        batch_vllm_engine_call(self.vllm_engines, "oppo_hold", True)
+        self.coordinator.hold()
         if self.top_up_at_step_end:
             self._top_up(batch + self.controller.delta, generate_kwargs)
         if self.args.vllm.enable_sleep:
             batch_vllm_engine_call(self.vllm_engines, "sleep")
         elif self.pause_between_steps and self.groups:
-            batch_vllm_engine_call(self.vllm_engines, "oppo_pause", clear_cache=False)
+            self.coordinator.pause(clear_cache=False)
 
         experiences = []
         for group in taken:

@@ -1,14 +1,16 @@
-"""Upstream's reward, reference, critic and policy actors, able to score streamed chunks.
+"""Upstream's policy, critic, reward and reference actors, able to score streamed chunks.
 
-Each subclass adds ``oppo_prefill`` (called by the rollout actors with a batch of chunks) on top of a
-``ChunkScorer`` over the actor's own model, and nothing else changes: upstream's ``forward`` still
-serves whatever was not streamed. The critic and the policy train every step, so their ``fit`` bumps
-the scorer's weight version: sequences still streaming re-prefill under the new weights, and results
-computed with old weights are recomputed by the experience maker.
+Each subclass adds the scoring side of OPPO's protocol (``oppo_*``, called by the rollout actors and by
+the trainer's ``StreamCoordinator``) on top of a ``ChunkScorer`` over the actor's own model; nothing else
+changes: upstream's ``forward`` still serves whatever was not streamed. The critic and the policy train
+every step, so their ``fit`` bumps the scorer's weight version: sequences still streaming re-prefill under
+the new weights, and finished scores computed with old weights are recomputed before they are collected.
 
-Finished scores wait in ``oppo_finished`` until the experience maker collects them, or discards those
-that training will never ask for (``oppo_discard``).
+Finished scores wait in ``oppo_finished`` until the trainer collects them, or discards those that training
+will never ask for (``oppo_discard``).
 """
+
+import time
 
 import ray
 import torch
@@ -16,30 +18,42 @@ from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 from openrlhf.trainer.ray.ppo_critic import CriticModelActor
 
-from openrlhf_oppo.streaming.scorer import Chunk, ChunkScorer, unwrap_model
+from openrlhf_oppo.protocol import Chunk, ScorerStats
+from openrlhf_oppo.streaming.scorer import ChunkScorer, unwrap_model
 from openrlhf_oppo.trace import Tracer
 
 
 class StreamingScorerMixin:
-    """``oppo_*`` methods shared by the scoring actors. Subclasses name their model and output kind."""
+    """The ``oppo_*`` methods of a scoring actor. Subclasses say which module scores."""
 
-    oppo_kind: str
     oppo_scorer: ChunkScorer = None
 
     def oppo_model(self) -> torch.nn.Module:
         raise NotImplementedError
 
-    def oppo_setup(self, cache_budget_bytes: int, temperature: float, trace: bool = False) -> None:
+    def oppo_setup(
+        self,
+        role: str,
+        cache_budget_bytes: int,
+        temperature: float,
+        max_tokens_per_forward: int,
+        max_cached_tokens_per_forward: int,
+        trace: bool = False,
+    ) -> None:
         """Build the scorer (after ``init_model_from_pretrained``)."""
+        self.oppo_role = role
         self.oppo_scorer = ChunkScorer(
             unwrap_model(self.oppo_model()),
-            self.oppo_kind,
+            role,
             cache_budget_bytes=cache_budget_bytes,
             temperature=temperature,
+            max_tokens_per_forward=max_tokens_per_forward,
+            max_cached_tokens_per_forward=max_cached_tokens_per_forward,
         )
-        self.oppo_tracer = Tracer(enabled=trace, process=f"{self.oppo_kind} scorer")
-        self.oppo_finished = {}  # uid -> ScoredSequence, until the experience maker collects it
+        self.oppo_tracer = Tracer(enabled=trace, process=f"{role} scorer")
+        self.oppo_finished = {}  # uid -> ScoredSequence, until the trainer collects it
         self.oppo_discarded = set()  # uids discarded before their last chunk landed (tombstones)
+        self.oppo_reported_at = time.time()
 
     def oppo_prefill(self, chunks) -> int:
         """Prefill a batch of chunks (from one rollout actor); keep the scores of sequences that ended."""
@@ -47,7 +61,8 @@ class StreamingScorerMixin:
         return len(chunks)
 
     def oppo_collect(self, uids) -> dict:
-        """The scores of these finished sequences (None for one this actor has not finished)."""
+        """The scores of these finished sequences (None for one this actor has not finished), every one
+        computed with the current weights."""
         self._process(self._rescore_stale())
         return {uid: self.oppo_finished.pop(uid, None) for uid in uids}
 
@@ -82,7 +97,7 @@ class StreamingScorerMixin:
         was_training = module.training
         module.eval()
         try:
-            with self.oppo_tracer.span("prefill", track=self.oppo_kind, chunks=len(chunks)):
+            with self.oppo_tracer.span("prefill", track=self.oppo_role, chunks=len(chunks)):
                 results = self.oppo_scorer.process(chunks)
         finally:
             module.train(was_training)
@@ -92,20 +107,19 @@ class StreamingScorerMixin:
             else:
                 self.oppo_finished[uid] = result
 
-    def oppo_version(self) -> int:
-        return self.oppo_scorer.version
-
-    def oppo_stats(self) -> dict:
-        """Counters since set-up, and (new tokens, forwards, seconds) of each prefill call since the last.
-
-        ``waiting``: finished sequences not collected yet; ``tombstones``: discarded ones whose last chunk
-        has not landed. Both stay small when every finished sequence is collected or discarded.
-        """
-        scorer = self.oppo_scorer
-        return dict(
-            scorer.stats,
-            cached_bytes=scorer.cached_bytes(),
+    def oppo_stats(self) -> ScorerStats:
+        """Counters since set-up, and the prefill calls since the last report with the time they span."""
+        scorer, now = self.oppo_scorer, time.time()
+        window, self.oppo_reported_at = now - self.oppo_reported_at, now
+        return ScorerStats(
             calls=scorer.drain_calls(),
+            window_s=window,
+            busy_s=scorer.stats["busy_s"],
+            streamed_tokens=scorer.stats["streamed_tokens"],
+            final_tokens=scorer.stats["final_tokens"],
+            forwards=scorer.stats["forwards"],
+            evictions=scorer.stats["evictions"],
+            cached_bytes=scorer.cached_bytes(),
             waiting=len(self.oppo_finished),
             tombstones=len(self.oppo_discarded),
         )
@@ -123,29 +137,21 @@ class _TrainableScorerMixin(StreamingScorerMixin):
 
 
 class StreamingRewardModelActor(StreamingScorerMixin, RewardModelActor.__ray_actor_class__):
-    oppo_kind = "reward"
-
     def oppo_model(self):
         return self.model
 
 
 class StreamingReferenceModelActor(StreamingScorerMixin, ReferenceModelActor.__ray_actor_class__):
-    oppo_kind = "logprob"
-
     def oppo_model(self):
         return self.model
 
 
 class StreamingCriticModelActor(_TrainableScorerMixin, CriticModelActor.__ray_actor_class__):
-    oppo_kind = "critic"
-
     def oppo_model(self):
         return self.critic
 
 
 class StreamingPolicyModelActor(_TrainableScorerMixin, PolicyModelActor.__ray_actor_class__):
-    oppo_kind = "logprob"
-
     def oppo_model(self):
         return self.actor
 

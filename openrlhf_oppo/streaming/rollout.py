@@ -14,7 +14,6 @@ computed with old weights serves a new request.
 import asyncio
 import contextvars
 import time
-import zlib
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -25,14 +24,13 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
-from openrlhf_oppo.streaming.scorer import Chunk
+from openrlhf_oppo.protocol import Chunk, StreamInfo
 from openrlhf_oppo.trace import Tracer
 
 # The sample that the running ``executor.execute`` task is generating (one task per sample).
-_CURRENT_SAMPLE: contextvars.ContextVar[Optional["SampleStream"]] = contextvars.ContextVar("oppo_sample", default=None)
-
-# ``oppo_prefill`` calls in flight per scoring actor before chunks wait for the next call.
-MAX_CALLS_IN_FLIGHT = 2
+_CURRENT_SAMPLE: contextvars.ContextVar[Optional["SampleStream"]] = contextvars.ContextVar(
+    "sample_stream", default=None
+)
 
 
 @dataclass
@@ -43,34 +41,54 @@ class RolloutConfig:
     trace: bool = False
 
 
-def route(uid: str, ranks: int) -> int:
-    """The rank of a model's group that holds sequence ``uid``'s cache (the same for all its chunks)."""
-    return zlib.crc32(uid.encode()) % ranks
-
-
 class ChunkOutbox:
     """Per-destination queues of chunks, sent as one ``oppo_prefill`` call per scoring actor.
 
-    At most ``MAX_CALLS_IN_FLIGHT`` calls go to one actor at a time, so that chunks pile up (and batch
-    better) when it falls behind. Nothing waits for the scorers: a sample's last chunk is queued like the
-    others and the sample returns at once; the experience maker ``flush``es the outbox and collects the
-    scores. While ``held`` (the training phase of inter-step overlap) chunks only queue: the scoring GPUs
-    are training, and the critic's and policy's weights are about to change anyway.
+    Each sequence is given one rank per role when it starts (``assign``), and every chunk of it goes there:
+    the rank pinned for this engine (a frozen scorer on the engine's own GPU), else the rank with the fewest
+    tokens of live sequences, so that the ranks share the prefill work. At most ``calls_in_flight`` calls go
+    to one actor at a time, so that chunks pile up (and batch better) when it falls behind. Nothing waits for
+    the scorers: a sample's last chunk is queued like the others and the sample returns at once; the trainer
+    ``flush``es the outbox and collects the scores. While ``held`` (the training phase of inter-step overlap)
+    chunks only queue: the scoring GPUs are training, and the critic's and policy's weights are about to
+    change anyway.
     """
 
-    def __init__(self, scorers: Dict[str, List], flush_interval_s: float = 0.005):
-        self.scorers = scorers  # model name -> actor handles of its ranks
+    def __init__(
+        self,
+        scorers: Dict[str, List],
+        pinned: Dict[str, int],
+        calls_in_flight: int,
+        flush_interval_s: float,
+    ):
+        self.scorers = scorers  # role -> actor handles of its ranks
+        self.pinned = pinned
+        self.calls_in_flight = calls_in_flight
         self.flush_interval_s = flush_interval_s
         self.held = False
+        self._load = {role: [0] * len(ranks) for role, ranks in scorers.items()}  # live tokens per rank
         self._queues: Dict[tuple, List[Chunk]] = {}
         self._in_flight: Dict[tuple, set] = {}
         self._wake = asyncio.Event()
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
 
-    def put(self, chunk: Chunk) -> None:
-        for model, ranks in self.scorers.items():
-            self._queues.setdefault((model, route(chunk.uid, len(ranks))), []).append(chunk)
+    def assign(self) -> Dict[str, int]:
+        """The rank of each role that will score a new sequence."""
+        return {
+            role: self.pinned[role] if role in self.pinned else load.index(min(load))
+            for role, load in self._load.items()
+        }
+
+    def put(self, chunk: Chunk, ranks: Dict[str, int]) -> None:
+        for role, rank in ranks.items():
+            self._queues.setdefault((role, rank), []).append(chunk)
+            self._load[role][rank] += len(chunk.tokens)
         self._wake.set()
+
+    def finished(self, ranks: Dict[str, int], tokens: int) -> None:
+        """A sequence of ``tokens`` tokens sent its last chunk: it no longer loads its ranks."""
+        for role, rank in ranks.items():
+            self._load[role][rank] -= tokens
 
     def hold(self, held: bool) -> None:
         self.held = held
@@ -99,22 +117,22 @@ class ChunkOutbox:
             if self.held:
                 continue
             for key in list(self._queues):
-                if len(self._in_flight.get(key, ())) < MAX_CALLS_IN_FLIGHT:
+                if len(self._in_flight.get(key, ())) < self.calls_in_flight:
                     self._send(key)
 
     def _send(self, key) -> None:
         chunks = self._queues.pop(key, None)
         if not chunks:
             return
-        model, rank = key
-        ref = self.scorers[model][rank].oppo_prefill.remote(chunks)
+        role, rank = key
+        ref = self.scorers[role][rank].oppo_prefill.remote(chunks)
         self._in_flight.setdefault(key, set()).add(ref)
         asyncio.get_running_loop().create_task(self._landed(key, ref))
 
     async def _landed(self, key, ref):
         try:
             await ref
-        except Exception:  # noqa: BLE001 - the experience maker sees the error when it waits on the call
+        except Exception:  # noqa: BLE001 - the trainer sees the error when it waits on the call
             pass
         self._in_flight[key].discard(ref)
         self._wake.set()  # chunks that waited for this call go now
@@ -131,12 +149,17 @@ class SampleStream:
     outbox: Optional[ChunkOutbox]
     chunk_size: int
     prompt_len: int = -1
+    ranks: Dict[str, int] = field(default_factory=dict)  # role -> the rank that scores this sequence
     sent: List[int] = field(default_factory=list)  # tokens already handed to the outbox
     pending: List[int] = field(default_factory=list)
     first_version: Optional[int] = None
     last_version: Optional[int] = None
     last_token_time: float = 0.0
     replaced_uid: Optional[str] = None  # the stream closed by ``finish`` when the sample was edited
+
+    def __post_init__(self):
+        if self.outbox is not None:
+            self.ranks = self.outbox.assign()
 
     def begin_turn(self, prompt_token_ids: List[int], version: int) -> None:
         """A generate call starts: its prompt extends the sequence (multi-turn agents add feedback)."""
@@ -154,9 +177,11 @@ class SampleStream:
             self._emit(final=False)
 
     def _emit(self, final: bool) -> None:
-        self.outbox.put(Chunk(self.uid, len(self.sent), self.pending, self.prompt_len, final))
+        self.outbox.put(Chunk(self.uid, len(self.sent), self.pending, self.prompt_len, final), self.ranks)
         self.sent.extend(self.pending)
         self.pending = []
+        if final:
+            self.outbox.finished(self.ranks, len(self.sent))
 
     def finish(self, final_tokens: List[int]) -> None:
         """Queue the last chunk: the sequence is exactly ``final_tokens`` (what training sees)."""
@@ -169,6 +194,19 @@ class SampleStream:
             self.uid, self.sent = f"{self.uid}-full", []
         self.pending = list(final_tokens[len(self.sent) :])
         self._emit(final=True)
+
+    def info(self) -> StreamInfo:
+        """What the trainer needs to know of the sample (after ``finish`` when streamed)."""
+        return StreamInfo(
+            uid=self.uid,
+            prompt_len=self.prompt_len,
+            first_version=self.first_version,
+            last_version=self.last_version,
+            last_token_time=self.last_token_time,
+            length=len(self.sent),
+            ranks=dict(self.ranks),
+            replaced_uid=self.replaced_uid,
+        )
 
 
 class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
@@ -189,13 +227,27 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
 
     # -- set-up from the trainer ---------------------------------------------------------------
 
-    async def oppo_connect(self, scorers: Dict[str, List], chunk_size: int, salt_prompts: bool) -> None:
-        """Stream to ``scorers`` (model name -> actor handle per rank) from now on."""
-        if self.outbox is not None:
-            self.outbox.close()
-        self.outbox = ChunkOutbox(scorers) if scorers else None
+    async def oppo_connect(
+        self,
+        scorers: Dict[str, List],
+        pinned: Dict[str, int],
+        chunk_size: int,
+        salt_prompts: bool,
+        calls_in_flight: int,
+        flush_interval_s: float,
+    ) -> None:
+        """Stream to ``scorers`` (role -> actor handle per rank) from now on; ``pinned``: role -> the rank
+        that scores every sequence of this engine. ``salt_prompts``: requests outlive weight updates."""
+        await self.oppo_disconnect()
+        if scorers:
+            self.outbox = ChunkOutbox(scorers, pinned, calls_in_flight, flush_interval_s)
         self.chunk_size = chunk_size
         self.salt_prompts = salt_prompts
+
+    async def oppo_disconnect(self) -> None:
+        if self.outbox is not None:
+            self.outbox.close()
+        self.outbox = None
 
     def oppo_set_tokenizer(self, hf_tokenizer) -> None:
         self.hf_tokenizer = hf_tokenizer
@@ -272,21 +324,10 @@ class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
             )
         finally:
             self.streams.discard(stream)
-        info = dict(
-            uid=stream.uid,
-            prompt_len=stream.prompt_len,
-            first_version=stream.first_version,
-            last_version=stream.last_version,
-            last_token_time=stream.last_token_time,
-        )
         if stream.outbox is not None:
             # The samples generator truncates to max_length; score exactly what training sees.
-            final_tokens = response["observation_tokens"][:max_length]
-            stream.finish(final_tokens)
-            info.update(uid=stream.uid, length=len(final_tokens), streamed=list(stream.outbox.scorers))
-            if stream.replaced_uid is not None:
-                info["replaced_uid"] = stream.replaced_uid  # its scores are never collected: to discard
-        response["oppo"] = info
+            stream.finish(response["observation_tokens"][:max_length])
+        response["stream_info"] = stream.info()
         return response
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):

@@ -5,12 +5,12 @@ chunk into its sequence's own KV cache as soon as it arrives, so that when the s
 last chunk is left to score. Chunks of many sequences share one padded forward pass.
 
 The outputs are the ones upstream's full forward computes (``RewardModel.forward``,
-``CriticModel.forward``, ``Actor.forward``), position by position:
+``CriticModel.forward``, ``Actor.forward``), position by position, by role:
 
 * ``reward``: the value head at the last token (normalised as upstream does in eval mode);
 * ``critic``: the value head at positions ``prompt_len - 1 .. length - 2``;
-* ``logprob``: the log-probability of token ``j + 1`` from the logits at ``j``, same positions.
-  The first token of a chunk is scored from the previous chunk's last hidden state.
+* ``policy`` and ``reference``: the log-probability of token ``j + 1`` from the logits at ``j``, same
+  positions. The first token of a chunk is scored from the previous chunk's last hidden state.
 """
 
 import itertools
@@ -21,39 +21,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from transformers import DynamicCache
 
-KINDS = ("reward", "critic", "logprob")
-
-
-@dataclass
-class Chunk:
-    """Tokens ``tokens`` of sequence ``uid`` starting at absolute position ``start``."""
-
-    uid: str
-    start: int
-    tokens: List[int]
-    prompt_len: int
-    final: bool = False
-
-
-@dataclass
-class ScoredSequence:
-    """What a scorer returns for a finished sequence.
-
-    ``output`` is None when the sequence could not be scored from its stream (a chunk went missing);
-    the experience maker then scores it the upstream way.
-    """
-
-    uid: str
-    output: Optional[torch.Tensor]
-    length: int
-    prompt_len: int
-    version: int
-    streamed_tokens: int  # tokens prefilled before the sequence's last chunk arrived
-    prefilled: List[tuple] = field(default_factory=list)  # (time the prefill ended, tokens), per call
-    tokens: List[int] = field(default_factory=list)  # to score it again if the weights change first
-
-    def tokens_prefilled_before(self, when: float) -> int:
-        return sum(tokens for done, tokens in self.prefilled if done <= when)
+from openrlhf_oppo.protocol import ROLES, Chunk, ScoredSequence
 
 
 @dataclass
@@ -69,7 +37,6 @@ class _Sequence:
     outputs: List[torch.Tensor] = field(default_factory=list)
     evicted: bool = False  # the cache was dropped: score the whole sequence when it ends
     broken: bool = False  # a chunk went missing: leave the sequence to the upstream path
-    streamed_tokens: int = 0
     prefilled: List[tuple] = field(default_factory=list)  # (time, tokens) of each call that ran it
 
     @property
@@ -100,29 +67,32 @@ class ChunkScorer:
     Args:
         model: the Hugging Face module: a ``RewardModel``/``CriticModel`` built by
             ``get_llm_for_sequence_regression`` or a causal LM (the policy or the reference).
-        kind: ``reward``, ``critic`` or ``logprob``.
+        role: ``policy``, ``critic``, ``reward`` or ``reference`` (what it outputs follows from it).
         cache_budget_bytes: keys and values held for all sequences together. Past it, the most
             recently started sequences lose their cache and are scored in full when they end.
         temperature: the sampling temperature, which ``Actor`` divides the logits by.
-        max_tokens_per_forward: new tokens per forward pass; larger batches are split.
-        max_cached_tokens_per_forward: padded cache tokens gathered for one forward pass.
+        max_tokens_per_forward: new tokens (padded) per forward pass; larger batches are split. Bounds the
+            activations of one pass, and how long one pass holds the GPU.
+        max_cached_tokens_per_forward: padded cache tokens gathered for one forward pass (the gathered
+            keys and values are a copy of that size).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        kind: str,
+        role: str,
         cache_budget_bytes: int,
         temperature: float = 1.0,
         max_tokens_per_forward: int = 16384,
         max_cached_tokens_per_forward: int = 65536,
     ):
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.model = model
-        self.kind = kind
+        self.role = role
+        self.log_probs = role in ("policy", "reference")
         self.base = getattr(model, model.base_model_prefix)
-        if kind == "logprob":
+        if self.log_probs:
             self.head = model.get_output_embeddings()
         else:
             self.head = getattr(model, model.value_head_prefix)
@@ -295,11 +265,7 @@ class ChunkScorer:
         for i, w in enumerate(batch):
             count = len(w.tokens)
             self._score_positions(w, hidden[i, :count])
-            if w.final:
-                self.stats["final_tokens"] += count
-            else:
-                self.stats["streamed_tokens"] += count
-                w.seq.streamed_tokens += count
+            self.stats["final_tokens" if w.final else "streamed_tokens"] += count
             if not w.final:  # a finished sequence needs no cache
                 self._append_cache(w.seq, new_keys[:, i, :, :count], new_values[:, i, :, :count])
             w.seq.cached += count
@@ -309,11 +275,11 @@ class ChunkScorer:
         """Outputs for the positions this forward makes available, from ``prompt_len - 1`` on."""
         seq, start = w.seq, w.seq.cached
         first = seq.prompt_len - 1
-        if self.kind == "critic":
+        if self.role == "critic":
             begin = max(first - start, 0)
             if begin < hidden.shape[0]:
                 seq.outputs.append(self.head(hidden[begin:]).squeeze(-1))
-        elif self.kind == "logprob":
+        elif self.log_probs:
             # The logits at position j score token j + 1: positions start - 1 .. start + count - 2.
             states = hidden[:-1] if seq.last_hidden is None else torch.cat([seq.last_hidden[None], hidden[:-1]])
             positions_from = start if seq.last_hidden is None else start - 1
@@ -365,21 +331,20 @@ class ChunkScorer:
             length=length,
             prompt_len=seq.prompt_len,
             version=seq.version,
-            streamed_tokens=seq.streamed_tokens,
             prefilled=seq.prefilled,
             tokens=seq.tokens,
         )
 
     def _final_output(self, seq: _Sequence) -> torch.Tensor:
         model = self.model
-        if self.kind == "reward":
+        if self.role == "reward":
             reward = self.head(seq.last_hidden[None]).squeeze(-1)[0]
             if not model.training and model.normalize_reward:
                 reward = (reward - model.mean[0]) / model.std[0]
             return reward.cpu()
         positions = len(seq.tokens) - seq.prompt_len
         output = torch.cat(seq.outputs)[:positions] if seq.outputs else torch.zeros(0)
-        if self.kind == "critic" and model.normalize_reward:
+        if self.role == "critic" and model.normalize_reward:
             output = (output - model.mean) / model.std
         return output.cpu()
 

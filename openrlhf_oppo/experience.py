@@ -1,0 +1,144 @@
+"""Upstream's experience maker, fed by the streamed scores.
+
+``RemoteExperienceMaker.make_experience`` asks each model group for its outputs with ``_dispatch_forward``
+and reads them back with ``_flatten_results``. For a streamed role we answer that call from the scores its
+actors computed while the sequences were generated: the coordinator flushes the chunks still queued in the
+rollout actors, waits for those prefill calls and collects each sequence's scores from the rank that holds
+it, and we lay them out in the tensors upstream's ``forward`` would have returned for the same micro-batch.
+Only micro-batches with a sequence that could not be streamed go to the model the upstream way. KL, reward
+shaping, GAE and whitening stay upstream's.
+
+Upstream hands the rollout samples to ``make_experience_batch`` and only their micro-batches to
+``make_experience``; the streamed scores of one batch live in a ``StreamedBatch`` from the first to the
+second, and ``_dispatch_forward`` reads it.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import ray
+import torch
+from openrlhf.trainer.ppo_utils.experience import Experience
+from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+from openrlhf_oppo.coordinator import StreamCoordinator
+from openrlhf_oppo.protocol import ScoredSequence, StreamInfo
+from openrlhf_oppo.trace import Tracer
+
+
+@dataclass
+class StreamedBatch:
+    """One batch's streamed scores: per role, per rollout sample, the scores or None (score it upstream's way)."""
+
+    infos: List[Optional[StreamInfo]]
+    scores: Dict[str, List[Optional[ScoredSequence]]] = field(default_factory=dict)
+    flushed_at: float = 0.0  # when make_experience started waiting for the last chunks
+    collected_at: float = 0.0
+    micro_batches: List[Experience] = field(default_factory=list)  # as upstream's make_experience gets them
+    hidden_tokens: int = 0  # streamed tokens prefilled before ``flushed_at``
+    streamed_tokens: int = 0
+    fallback_batches: int = 0
+
+    def collect(self, coordinator: StreamCoordinator, tracer: Tracer) -> None:
+        self.flushed_at = time.time()
+        with tracer.span("flush", track="make_experience"):
+            coordinator.flush([info for info in self.infos if info is not None])
+        with tracer.span("collect", track="make_experience"):
+            collected = coordinator.collect(self.infos)
+        self.collected_at = time.time()
+        for role, by_uid in collected.items():
+            self.scores[role] = [self._usable(role, info, by_uid) for info in self.infos]
+
+    def _usable(self, role: str, info: Optional[StreamInfo], by_uid) -> Optional[ScoredSequence]:
+        if info is None or role not in info.ranks:
+            return None
+        self.streamed_tokens += info.length
+        result = by_uid.get(info.uid)
+        if result is None or result.output is None:
+            return None
+        self.hidden_tokens += min(result.tokens_prefilled_before(self.flushed_at), info.length)
+        return result
+
+    def metrics(self) -> Dict[str, float]:
+        metrics = {
+            "oppo/prefill_hidden_fraction": self.hidden_tokens / max(self.streamed_tokens, 1),
+            "oppo/fallback_micro_batches": float(self.fallback_batches),
+        }
+        last_tokens = [info.last_token_time for info in self.infos if info is not None and info.last_token_time]
+        if last_tokens:
+            metrics["oppo/last_token_to_experience_s"] = time.time() - max(last_tokens)
+        return metrics
+
+
+class StreamingExperienceMaker(RemoteExperienceMaker):
+    def __init__(self, *args, coordinator: StreamCoordinator, tracer: Tracer = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.coordinator = coordinator
+        self.tracer = tracer or Tracer(enabled=False, process="experience")
+        self.metrics: Dict[str, float] = {}
+        self._batch: Optional[StreamedBatch] = None  # between make_experience_batch and _dispatch_forward
+
+    def make_experience_batch(self, rollout_samples: List[Experience]) -> List[Experience]:
+        self._batch = StreamedBatch([getattr(sample, "stream", None) for sample in rollout_samples])
+        try:
+            experiences = super().make_experience_batch(rollout_samples)
+            # After the scores arrived: upstream's KL, reward shaping and advantages.
+            self.tracer.add(
+                "kl_advantages", self._batch.collected_at or time.time(), time.time(), track="make_experience"
+            )
+            self.metrics = self._batch.metrics()
+            return experiences
+        finally:
+            self._batch = None
+
+    def make_experience(self, samples_list: List[Experience]) -> List[Experience]:
+        batch = self._batch
+        if batch is not None:
+            batch.micro_batches = samples_list
+            if any(info and info.ranks for info in batch.infos):
+                batch.collect(self.coordinator, self.tracer)
+        return super().make_experience(samples_list)
+
+    def _dispatch_forward(self, group, sync_condition, **kwargs):
+        role = self._role(group)
+        scored = self._batch.scores.get(role) if self._batch is not None else None
+        if scored is None:
+            return super()._dispatch_forward(group, sync_condition, **kwargs)
+
+        outputs = [_assemble(role, samples, scored) for samples in self._batch.micro_batches]
+        missing = [index for index, output in enumerate(outputs) if output is None]
+        if missing:
+            # Score those micro-batches as upstream does, then slot them in.
+            self._batch.fallback_batches += len(missing)
+            refs = self.coordinator.forward(
+                role, {key: [values[i] for i in missing] for key, values in kwargs.items()}
+            )
+            if sync_condition:
+                ray.get(refs)
+                ray.get(group.async_run_method(method_name="empty_cache"))
+            for index, output in zip(missing, self._flatten_results(refs, 1)):
+                outputs[index] = output
+        return [ray.put(outputs)]
+
+    def _role(self, group) -> Optional[str]:
+        return next((role for role, g in self.coordinator.groups.items() if g is group), None)
+
+
+def _assemble(role: str, samples: Experience, scored: List[Optional[ScoredSequence]]) -> Optional[torch.Tensor]:
+    """The tensor upstream's forward returns for this micro-batch, from the streamed scores (None if any
+    sequence of it has none)."""
+    results = [scored[i] for i in samples.index]
+    lengths = samples.attention_mask.sum(dim=1).tolist()
+    if any(r is None or r.length != length for r, length in zip(results, lengths)):
+        return None
+    if role == "reward":
+        return torch.stack([r.output for r in results])
+    first = [int(mask.nonzero()[0]) if mask.any() else -1 for mask in samples.action_mask]
+    if any(f != r.prompt_len - 1 for f, r in zip(first, results)):
+        return None  # the action span does not start after the prompt the stream saw
+    dense = torch.zeros(samples.action_mask.shape, dtype=results[0].output.dtype)
+    for row, r in enumerate(results):
+        dense[row, r.prompt_len - 1 : r.length - 1] = r.output
+    # As upstream: outputs outside the action span are zeroed by the float mask.
+    return dense * samples.action_mask.float()

@@ -1,0 +1,101 @@
+"""What crosses processes between the trainer, the rollout actors and the scoring actors.
+
+The four models that score a rollout are named by their role, the same word in the options, the classes,
+the metrics and the traces: ``policy`` (old log-probs), ``critic`` (values), ``reward`` and ``reference``
+(log-probs for the KL term). Upstream's option groups call the policy ``actor`` and the reference ``ref``
+(``--actor.*``, ``--ref.*``); ``GROUP_OF_ROLE`` maps one onto the other where OPPO reads those options.
+
+Messages, in the order a sequence meets them:
+
+* ``Chunk``: tokens of one sequence, from a rollout actor to one scoring actor per streamed role;
+* ``StreamInfo``: what the rollout actor says about a finished sample, returned with it to the trainer,
+  which files it on the rollout ``Experience`` as ``experience.stream``;
+* ``ScoredSequence``: a scoring actor's result for a finished sequence, collected by the trainer;
+* ``ScorerStats``: a scoring actor's counters, once a step.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+ROLES = ("policy", "critic", "reward", "reference")
+# Where upstream's options for each role live (``args.actor``, ``args.ref``, ...).
+GROUP_OF_ROLE = {"policy": "actor", "critic": "critic", "reward": "reward", "reference": "ref"}
+# The frozen roles: their weights never change, so their scores never go stale.
+FROZEN_ROLES = ("reward", "reference")
+
+
+@dataclass
+class Chunk:
+    """Tokens ``tokens`` of sequence ``uid``, starting at absolute position ``start``."""
+
+    uid: str
+    start: int
+    tokens: List[int]
+    prompt_len: int
+    final: bool = False
+
+
+@dataclass
+class StreamInfo:
+    """A finished sample as its rollout actor streamed it.
+
+    ``ranks`` names, for each role the sample was streamed to, the rank of that role's group that holds
+    its scores (the same rank got every chunk). Empty when the sample was not streamed.
+    """
+
+    uid: str
+    prompt_len: int
+    first_version: Optional[int] = None  # weight version of the sample's first and last token
+    last_version: Optional[int] = None
+    last_token_time: float = 0.0
+    length: int = 0  # prompt + response tokens, as training sees them
+    ranks: Dict[str, int] = field(default_factory=dict)
+    replaced_uid: Optional[str] = None  # a stream closed because training sees other tokens: to discard
+
+    @property
+    def streamed(self) -> Tuple[str, ...]:
+        return tuple(self.ranks)
+
+
+@dataclass
+class ScoredSequence:
+    """A scoring actor's result for a finished sequence.
+
+    ``output`` is None when the sequence could not be scored from its stream (a chunk went missing); the
+    experience maker then scores it the upstream way.
+    """
+
+    uid: str
+    output: Optional[torch.Tensor]
+    length: int
+    prompt_len: int
+    version: int  # the scorer's weight version that computed ``output``
+    prefilled: List[Tuple[float, int]] = field(default_factory=list)  # (when a prefill ended, its tokens)
+    tokens: List[int] = field(default_factory=list)  # to score it again if the weights change first
+
+    def tokens_prefilled_before(self, when: float) -> int:
+        return sum(tokens for done, tokens in self.prefilled if done <= when)
+
+
+@dataclass
+class ScorerStats:
+    """One scoring actor's counters: totals since set-up, and the prefill calls since the last report.
+
+    ``calls``: ``(new tokens, forward passes, seconds)`` per prefill call; ``window_s``: the wall-clock time
+    those calls fall in (from the previous report to this one). ``waiting``: finished sequences not collected
+    yet; ``tombstones``: discarded sequences whose last chunk has not landed. Both stay small unless
+    something leaks.
+    """
+
+    calls: List[Tuple[int, int, float]]
+    window_s: float
+    busy_s: float  # seconds spent in prefill calls since set-up
+    streamed_tokens: int  # tokens prefilled before their sequence's last chunk arrived
+    final_tokens: int
+    forwards: int
+    evictions: int
+    cached_bytes: int
+    waiting: int
+    tombstones: int
