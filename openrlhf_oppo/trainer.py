@@ -188,7 +188,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             for rank, rank_stats in enumerate(ranks):
                 calls_by_scorer[f"{name}:{rank}"] = rank_stats["calls"]
         before = self.chunk_controller.chunk_size
-        after = self.chunk_controller.update(calls_by_scorer, self.samples_generator.last_generation_s)
+        after = self.chunk_controller.update(calls_by_scorer)
         if after != before:
             ray.get([engine.oppo_set_chunk_size.remote(after) for engine in self.vllm_engines])
         metrics = {"oppo/chunk_size": float(before)}

@@ -96,7 +96,7 @@ class StreamingScorerMixin:
         return self.oppo_scorer.version
 
     def oppo_stats(self) -> dict:
-        """Counters since set-up, and (new tokens, forwards, seconds) of each prefill call since the last.
+        """Counters since set-up, and (wall-clock start, seconds, new tokens) of each prefill call since the last.
 
         ``waiting``: finished sequences not collected yet; ``tombstones``: discarded ones whose last chunk
         has not landed. Both stay small when every finished sequence is collected or discarded.
