@@ -6,12 +6,13 @@ taken from the Chrome traces under ``docs/results`` by ``extract_trace``; to wri
 """
 
 import json
+import random
 import re
 from pathlib import Path
 
 import pytest
 
-from openrlhf_oppo.overcommit.controller import OvercommitController
+from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
 from openrlhf_oppo.streaming.chunking import CANDIDATES, ChunkSizeController, busiest, load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +67,109 @@ def test_fixed_delta_never_moves_and_state_round_trips():
     restored = OvercommitController(initial=0, auto=True, window=2, maximum=9)
     restored.load_state_dict(auto.state_dict())
     assert restored.update(1.5) == auto.update(1.5)
+
+
+# -- Delta: the throughput rule ---------------------------------------------------------------------
+
+
+class Rollouts:
+    """Steps of inter-step overlap: of the groups in flight through training a fraction ``p_done`` is done
+    when the next step starts (drawn per group unless ``exact``); the rest finish one every ``s_per_group``
+    seconds into the step."""
+
+    def __init__(self, batch, p_done, s_per_group=0.3, top_up_at_step_end=True, exact=False, seed=0):
+        self.batch, self.p_done, self.s_per_group = batch, p_done, s_per_group
+        self.top_up_at_step_end, self.exact = top_up_at_step_end, exact
+        self.random = random.Random(seed)
+
+    def step(self, delta):
+        """(seconds the step waited for its B-th group, groups done when it started) with ``delta``."""
+        # With the top-up at the step's end B + Delta groups decode through training, else only the Delta carried.
+        in_flight = self.batch + delta if self.top_up_at_step_end else delta
+        if self.exact:
+            done = int(self.p_done * in_flight)
+        else:
+            done = sum(self.random.random() < self.p_done for _ in range(in_flight))
+        wait = 0.01 if done >= self.batch else (self.batch - done) * self.s_per_group
+        return wait, done
+
+
+def drive(controller, rollouts, steps):
+    """Delta after each of ``steps`` steps, and whether each step waited for its B-th group."""
+    deltas, waited = [], []
+    for _ in range(steps):
+        wait, done = rollouts.step(controller.delta)
+        waited.append(wait > 0.1)
+        deltas.append(controller.record_generation(wait, done))
+    return deltas, waited
+
+
+def test_throughput_rule_raises_delta_until_b_groups_are_ready_and_stays():
+    # Half of the groups in flight finish during training: B = 32 needs B + Delta >= 64, Delta = 32.
+    controller = ThroughputController(initial=4, auto=True, batch=32, window=2, inc=2, maximum=48)
+    deltas, waited = drive(controller, Rollouts(batch=32, p_done=0.5, exact=True), 60)
+    assert deltas == sorted(deltas) and deltas[-1] == 32  # up, never back, and no further than needed
+    assert deltas.index(32) == 27 and not any(waited[29:])  # 14 raises, two steps apart
+
+
+def test_throughput_rule_settles_in_a_narrow_band_on_noisy_steps():
+    # 60% drawn per group: the groups done at a step's start vary by about +-4 around the mean.
+    controller = ThroughputController(initial=4, auto=True, batch=32, window=3, inc=2, maximum=48)
+    deltas, waited = drive(controller, Rollouts(batch=32, p_done=0.6, seed=1), 120)
+    settled = deltas[60:]
+    assert 22 <= min(settled) and max(settled) - min(settled) <= 6  # B + 22 groups in flight make B on average
+    assert sum(waited[60:]) <= 0.3 * len(settled)  # most steps find their B groups ready
+
+
+def test_throughput_rule_lowers_a_delta_that_only_adds_lag():
+    # Nearly everything finishes during training: a large Delta leaves groups waiting a step longer.
+    controller = ThroughputController(initial=16, auto=True, batch=32, window=3, maximum=16)
+    deltas, waited = drive(controller, Rollouts(batch=32, p_done=0.95, seed=2), 80)
+    assert deltas[:3] == [16, 16, 15] and max(deltas[40:]) <= 4  # down, and it stays small
+    assert sum(waited) <= 12  # B groups were still ready at most steps' start
+
+
+def test_throughput_rule_stays_within_its_bounds():
+    # Carried groups alone can never make B (top-up at the step's start): Delta climbs to the maximum and stays.
+    rollouts = Rollouts(batch=32, p_done=0.5, top_up_at_step_end=False, seed=3)
+    controller = ThroughputController(initial=2, auto=True, batch=32, window=2, maximum=8)
+    assert drive(controller, rollouts, 30)[0][-14:] == [8] * 14
+    # Everything done at the start, always: down to the minimum and no further.
+    controller = ThroughputController(initial=6, auto=True, batch=4, window=2, minimum=3, maximum=8)
+    assert [controller.record_generation(0.01, 12) for _ in range(10)] == [6, 5, 5, 4, 4, 3, 3, 3, 3, 3]
+
+
+def test_throughput_rule_ignores_short_waits_and_rewards():
+    controller = ThroughputController(initial=4, auto=True, batch=8, window=2, maximum=8, tolerance_s=0.1)
+    assert [controller.record_generation(0.05, 7) for _ in range(6)] == [4] * 6  # within the tolerance
+    assert [controller.update(reward) for reward in (0.0, 1.0, 2.0, 3.0)] == [4] * 4
+    assert [controller.record_generation(0.5, 7), controller.record_generation(0.5, 7)] == [4, 5]
+
+
+def test_throughput_rule_fixed_delta_and_state():
+    fixed = ThroughputController(initial=3, auto=False, batch=8, window=2, maximum=8)
+    assert [fixed.record_generation(5.0, 0) for _ in range(5)] == [3] * 5
+    auto = ThroughputController(initial=3, auto=True, batch=8, window=3, maximum=8)
+    auto.record_generation(5.0, 0)
+    auto.record_generation(5.0, 0)
+    restored = ThroughputController(initial=0, auto=True, batch=8, window=3, maximum=8)
+    restored.load_state_dict(auto.state_dict())
+    assert restored.record_generation(5.0, 0) == auto.record_generation(5.0, 0) == 4
+    assert OvercommitController(initial=3, auto=True).record_generation(5.0, 0) == 3  # not the slope rule's input
+
+
+def test_overcommit_rule_option():
+    from openrlhf_oppo.cli.train_ppo_ray import parse_args
+    from openrlhf_oppo.config import OPPOConfigError
+
+    base = ["--actor.model_name_or_path", "m", "--reward.model_name_or_path", "m", "--vllm.num_engines", "1"]
+    assert parse_args(base + ["--oppo.enable"]).oppo.overcommit_rule == "throughput"
+    rule = ["--oppo.overcommit_rule", "reward_slope"]
+    assert parse_args(base + ["--oppo.enable"] + rule).oppo.overcommit_rule == "reward_slope"
+    with pytest.raises(OPPOConfigError, match="--oppo.overcommit 8 fixes it"):
+        parse_args(base + ["--oppo.enable", "--oppo.overcommit", "8"] + rule)
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--oppo.enable", "--oppo.overcommit_rule", "fastest"])
 
 
 # -- chunk size: scripted steps ---------------------------------------------------------------------
