@@ -8,11 +8,11 @@ which is always paid after the last token.
 
 Each step every scoring actor reports its prefill calls ``(start, seconds, new tokens)``, timed where
 they ran. Its utilization ``u`` is its busy time over the window its calls cover, from the first
-call's start to the last call's end. (Not over the step's generation phase: under inter-step overlap
-that phase is only the wait for the B-th group, while the calls run on through the flush in
-make_experience, and the utilizations read that way were up to 1.46 on GPU.) A least-squares fit
-``seconds = a + b * tokens`` splits ``u`` into a per-call part ``p`` and a per-token part ``q``. At
-chunk size ``C`` calls come ``C0 / C`` times as often as at the current ``C0``; the tokens stay:
+call's start to the last call's end. (Not over the step's generation phase, which the calls outlast:
+they run on through the flush in make_experience, and under inter-step overlap the phase is only the
+wait for the B-th group. Read that way, utilizations of 1.01-1.61 were logged on GPU.) A least-squares
+fit ``seconds = a + b * tokens`` splits ``u`` into a per-call part ``p`` and a per-token part ``q``.
+At chunk size ``C`` calls come ``C0 / C`` times as often as at the current ``C0``; the tokens stay:
 
     u(C) = p * C0 / C + q
 
