@@ -107,6 +107,18 @@ OPTIONS = {
         ),
         None,
     ),
+    "overcommit_rule": (
+        dict(
+            choices=["throughput", "reward_slope"],
+            help="How --oppo.overcommit auto moves Delta, judged on --oppo.overcommit_window steps. 'throughput': "
+            "up while steps wait more than 0.1 s for their batch_size-th group, down while more than batch_size "
+            "groups are already done when a step starts (they would only be carried again, older); the models "
+            "then never wait for generation, at the least policy lag. 'reward_slope' (the paper's): up while the "
+            "mean reward rises, down otherwise; on a flat reward it walks Delta down to --oppo.overcommit_min. "
+            "Logged as oppo/overcommit, with the lag it costs as oppo/policy_lag_mean.",
+        ),
+        "throughput",
+    ),
     "max_defer_steps": (
         dict(
             type=_bounded(int, "--oppo.max_defer_steps", 0),
@@ -306,6 +318,11 @@ def _check_oppo(args) -> None:
             "--oppo.top_up step_end starts the next step's prompts during training, so it needs inter-step overlap "
             "(--oppo.overcommit > 0 or auto) and vLLM engines on GPUs of their own (not --train.colocate_all, where "
             "they wait or sleep through training): use --oppo.top_up step_start there."
+        )
+    if oppo.overcommit != "auto" and oppo.overcommit_rule != OPTIONS["overcommit_rule"][1]:
+        raise OPPOConfigError(
+            f"--oppo.overcommit_rule {oppo.overcommit_rule} moves Delta under --oppo.overcommit auto, but "
+            f"--oppo.overcommit {oppo.overcommit} fixes it: use --oppo.overcommit auto or drop the rule."
         )
     if oppo.overcommit_max is not None and oppo.overcommit_min > oppo.overcommit_max:
         raise OPPOConfigError(

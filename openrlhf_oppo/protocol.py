@@ -83,14 +83,12 @@ class ScoredSequence:
 class ScorerStats:
     """One scoring actor's counters: totals since set-up, and the prefill calls since the last report.
 
-    ``calls``: ``(new tokens, forward passes, seconds)`` per prefill call; ``window_s``: the wall-clock time
-    those calls fall in (from the previous report to this one). ``waiting``: finished sequences not collected
+    ``calls``: ``(wall-clock start, seconds, new tokens)`` per prefill call. ``waiting``: finished sequences not collected
     yet; ``tombstones``: discarded sequences whose last chunk has not landed. Both stay small unless
     something leaks.
     """
 
-    calls: List[Tuple[int, int, float]]
-    window_s: float
+    calls: List[Tuple[float, float, int]]
     busy_s: float  # seconds spent in prefill calls since set-up
     streamed_tokens: int  # tokens prefilled before their sequence's last chunk arrived
     final_tokens: int

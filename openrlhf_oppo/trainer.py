@@ -181,7 +181,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             for rank, rank_stats in enumerate(ranks)
         }
         before = self.chunk_controller.chunk_size
-        after = self.chunk_controller.update(calls_by_scorer, self.samples_generator.last_generation_s)
+        after = self.chunk_controller.update(calls_by_scorer)
         if after != before:
             self.coordinator.set_chunk_size(after)
         metrics = {"oppo/chunk_size": float(before)}
@@ -235,7 +235,7 @@ def scorer_metrics(stats: dict) -> dict:
     def most(value):
         return float(max(sum(value(rank) for rank in ranks) for ranks in stats.values()))
 
-    busy = max(sum(call[2] for call in rank.calls) for ranks in stats.values() for rank in ranks)
+    busy = max(sum(seconds for _, seconds, _ in rank.calls) for ranks in stats.values() for rank in ranks)
     return {
         "oppo/scores_waiting": most(lambda rank: rank.waiting),
         "oppo/score_tombstones": most(lambda rank: rank.tombstones),

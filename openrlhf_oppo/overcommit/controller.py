@@ -1,8 +1,23 @@
-"""The overcommit degree Delta under ``--oppo.overcommit auto`` (the paper's rule).
+"""The overcommit degree Delta under ``--oppo.overcommit auto``, by one of two rules (``--oppo.overcommit_rule``).
 
-Over a window of ``w`` steps the reward slope is the mean step-to-step change of the mean reward.
-While it is positive, training still gains from speed: Delta grows by ``inc``. Otherwise Delta shrinks
-by ``dec``, towards fully on-policy batches near convergence. Delta stays in ``[minimum, maximum]``.
+``reward_slope`` (the paper's, ``OvercommitController``): over a window of ``w`` steps the reward slope
+is the mean step-to-step change of the mean reward. While it is positive, training still gains from
+speed: Delta grows by ``inc``. Otherwise Delta shrinks by ``dec``, towards fully on-policy batches near
+convergence.
+
+``throughput`` (``ThroughputController``): Delta is there so that the models never wait for generation:
+when training and the weight sync end and the next step starts, its B groups should be done. The
+samples generator reports, per step, how long it waited for the B-th group and how many groups were
+already done when the step started. A step *waited* if fewer than B groups were done at its start and
+the B-th came more than ``tolerance_s`` later; it had a *surplus* if at least B + ``dec`` groups were
+done at its start: those beyond B are carried once more, a weight version older, for no gain. Over the
+last ``w`` steps since Delta last changed: if most waited, Delta grows by ``inc``; if all had a surplus,
+it shrinks by ``dec``, which still leaves B groups done; otherwise it stays. The two cannot hold in one
+step, and every change waits for ``w`` steps measured after it, so noise does not move Delta to and fro.
+Its cost is the policy lag of the carried groups (``oppo/policy_lag_mean``), which Delta bounds.
+
+Either way Delta stays in ``[minimum, maximum]``. Each controller ignores the input of the other rule,
+so the samples generator feeds both the same way.
 """
 
 from collections import deque
@@ -43,10 +58,65 @@ class OvercommitController:
                 self.delta = max(self.minimum, self.delta - self.dec)
         return self.delta
 
+    def record_generation(self, wait_s: float, done_at_start: int) -> int:
+        return self.delta  # the throughput rule's input
+
     def state_dict(self) -> dict:
         return dict(delta=self.delta, rewards=list(self.rewards))
 
     def load_state_dict(self, state: dict) -> None:
         self.delta = state["delta"]
         self.rewards.clear()
-        self.rewards.extend(state["rewards"])
+        self.rewards.extend(state.get("rewards", []))
+
+
+class ThroughputController:
+    def __init__(
+        self,
+        initial: int,
+        auto: bool,
+        batch: int,
+        window: int = 5,
+        inc: int = 1,
+        dec: int = 1,
+        minimum: int = 0,
+        maximum: int = 0,
+        tolerance_s: float = 0.1,
+    ):
+        self.delta = initial
+        self.auto = auto
+        self.batch = batch
+        self.inc, self.dec = inc, dec
+        self.minimum, self.maximum = minimum, maximum
+        self.tolerance_s = tolerance_s
+        self.verdicts = deque(maxlen=window)  # "waited", "surplus" or "ok", since Delta last changed
+
+    def record_generation(self, wait_s: float, done_at_start: int) -> int:
+        """Record a step's wait for its B-th group and the groups done when it started; return Delta for the next."""
+        if done_at_start < self.batch and wait_s > self.tolerance_s:
+            self.verdicts.append("waited")
+        elif done_at_start >= self.batch + self.dec:
+            self.verdicts.append("surplus")
+        else:
+            self.verdicts.append("ok")
+        if not self.auto or len(self.verdicts) < self.verdicts.maxlen:
+            return self.delta
+        before = self.delta
+        if self.verdicts.count("waited") * 2 > len(self.verdicts):
+            self.delta = min(self.maximum, self.delta + self.inc)
+        elif self.verdicts.count("surplus") == len(self.verdicts):
+            self.delta = max(self.minimum, self.delta - self.dec)
+        if self.delta != before:
+            self.verdicts.clear()  # judge the new Delta on steps that ran with it
+        return self.delta
+
+    def update(self, mean_reward: float) -> int:
+        return self.delta  # the reward-slope rule's input
+
+    def state_dict(self) -> dict:
+        return dict(delta=self.delta, verdicts=list(self.verdicts))
+
+    def load_state_dict(self, state: dict) -> None:
+        self.delta = state["delta"]
+        self.verdicts.clear()
+        self.verdicts.extend(state.get("verdicts", []))

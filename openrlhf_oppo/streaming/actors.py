@@ -10,8 +10,6 @@ Finished scores wait in ``oppo_finished`` until the trainer collects them, or di
 will never ask for (``oppo_discard``).
 """
 
-import time
-
 import ray
 import torch
 from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor
@@ -53,7 +51,6 @@ class StreamingScorerMixin:
         self.oppo_tracer = Tracer(enabled=trace, process=f"{role} scorer")
         self.oppo_finished = {}  # uid -> ScoredSequence, until the trainer collects it
         self.oppo_discarded = set()  # uids discarded before their last chunk landed (tombstones)
-        self.oppo_reported_at = time.time()
 
     def oppo_prefill(self, chunks) -> int:
         """Prefill a batch of chunks (from one rollout actor); keep the scores of sequences that ended."""
@@ -108,12 +105,10 @@ class StreamingScorerMixin:
                 self.oppo_finished[uid] = result
 
     def oppo_stats(self) -> ScorerStats:
-        """Counters since set-up, and the prefill calls since the last report with the time they span."""
-        scorer, now = self.oppo_scorer, time.time()
-        window, self.oppo_reported_at = now - self.oppo_reported_at, now
+        """Counters since set-up, and the prefill calls since the last report."""
+        scorer = self.oppo_scorer
         return ScorerStats(
             calls=scorer.drain_calls(),
-            window_s=window,
             busy_s=scorer.stats["busy_s"],
             streamed_tokens=scorer.stats["streamed_tokens"],
             final_tokens=scorer.stats["final_tokens"],

@@ -1,28 +1,42 @@
 """Choosing the chunk size (``--oppo.chunk_size auto``).
 
-The smaller the chunk, the less is left to score after a sequence's last token; but every prefill call
-costs a fixed overhead (a Ray call, a padded batch, kernel launches), and the calls come faster as
-chunks shrink. A scoring device that falls behind the decoder hides nothing.
+The smaller the chunk, the less is left to score after a sequence's last token: its last chunk is
+what make_experience waits for. But every prefill call costs a fixed overhead (a Ray call, a padded
+batch, kernel launches), and calls come more often as chunks shrink. So a larger chunk trades call
+overhead, which it saves only where calls are what keeps a scoring actor busy, for a larger last chunk,
+which is always paid after the last token.
 
-Each step we measure, per scoring actor, the time of every prefill call and fit
-``seconds = a * calls + b * tokens``, and the rates at which tokens and calls arrived during the
-generation phase. At chunk size ``C`` the calls come ``C0 / C`` times as often as they did at the
-current ``C0`` while the token rate stays the same, so the actor is busy a fraction
+Each step every scoring actor reports its prefill calls ``(start, seconds, new tokens)``, timed where
+they ran. Its utilization ``u`` is its busy time over the window its calls cover, from the first
+call's start to the last call's end. (Not over the step's generation phase, which the calls outlast:
+they run on through the flush in make_experience, and under inter-step overlap the phase is only the
+wait for the B-th group. Read that way, utilizations of 1.01-1.61 were logged on GPU.) A least-squares
+fit ``seconds = a + b * tokens`` splits ``u`` into a per-call part ``p`` and a per-token part ``q``.
+At chunk size ``C`` calls come ``C0 / C`` times as often as at the current ``C0``; the tokens stay:
 
-    u(C) = a * calls_per_s * C0 / C + b * tokens_per_s
+    u(C) = p * C0 / C + q
 
-of the time. We move one candidate per step towards the smallest with ``u(C) <= target`` for every
-actor. Actors that share a GPU each see the others' kernels in their own times, so each one's busy
-fraction already says whether it keeps up (summing them would count the sharing twice). The paper instead
-tries a few sizes every 50 steps and keeps the fastest; this reaches the same choice from one step's
-measurements, without spending steps on bad candidates, and follows the response lengths as they drift.
+We move one candidate per step towards the smallest ``C`` with ``u(C) <= target`` for every actor.
+If there is none, an actor's tokens alone keep it over the target (re-prefilling carried sequences
+under new weights, catching up on chunks held through training), and no chunk size changes that. A
+larger one would save calls that at such a load coalesce anyway (a busy actor takes every chunk queued
+behind a call into its next one), and it would surely grow the last chunk: the size stays. (Taking the
+largest candidate here is what drove the size to 1024 and 2048 on GPU.)
+
+Actors on one GPU are called together (every chunk goes to each model) and each one's call times
+include the others' kernels, so each one's utilization is the GPU's: we take the busiest, not the sum.
+The paper instead tries a few sizes every 50 steps and keeps the fastest; this reaches a choice from
+one step's measurements, without spending steps on bad candidates, and follows the lengths as they drift.
 """
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+# A prefill call, as the scoring actor records it: (wall-clock start, seconds, new tokens).
+Call = Tuple[float, float, int]
 
 
 class ChunkSizeController:
@@ -30,52 +44,64 @@ class ChunkSizeController:
         self.fixed = fixed
         self.chunk_size = fixed or initial
         self.target_utilization = target_utilization
-        self.utilization: Dict[str, float] = {}  # per scoring actor, at the chosen size: for the log
+        self.utilization: Dict[str, float] = {}  # per scoring actor, measured in the last step: for the log
+        self.target: Optional[int] = None  # the size the last step's measurements ask for; None: keep the size
 
-    def update(self, calls_by_scorer: Dict[str, List[Tuple[int, int, float]]], generation_seconds: float) -> int:
-        """Take one step's prefill calls ``(new tokens, forwards, seconds)`` per scoring actor; return the next size."""
-        if self.fixed or generation_seconds <= 0:
+    def update(self, calls_by_scorer: Dict[str, List[Call]]) -> int:
+        """Take one step's prefill calls per scoring actor; return the chunk size for the next step."""
+        if self.fixed:
             return self.chunk_size
-        models = {}
-        for scorer, calls in calls_by_scorer.items():
-            fit = _fit_cost(calls)
-            if fit is None:
-                continue
-            a, b = fit
-            calls_per_s = len(calls) / generation_seconds
-            tokens_per_s = sum(tokens for tokens, _, _ in calls) / generation_seconds
-            models[scorer] = (a * calls_per_s * self.chunk_size, b * tokens_per_s)
-        if not models:
-            return self.chunk_size
-
-        def fits(size: int) -> bool:
-            return all(
-                per_call / size + per_token <= self.target_utilization for per_call, per_token in models.values()
-            )
-
-        target = next((size for size in CANDIDATES if fits(size)), CANDIDATES[-1])
+        loads = {scorer: load(calls) for scorer, calls in calls_by_scorer.items()}
+        loads = {scorer: parts for scorer, parts in loads.items() if parts is not None}
+        self.utilization = {scorer: per_call + per_token for scorer, (per_call, per_token) in loads.items()}
+        self.target = next(
+            (
+                size
+                for size in CANDIDATES
+                if loads and busiest(loads, self.chunk_size, size) <= self.target_utilization
+            ),
+            None,
+        )
+        if self.target is None:
+            return self.chunk_size  # no actor measured, or one's tokens alone keep it over the target
         # One candidate per step: a step's measurements are noisy, and the next step re-measures.
-        here = CANDIDATES.index(self.chunk_size) if self.chunk_size in CANDIDATES else CANDIDATES.index(target)
-        chosen = CANDIDATES[min(max(CANDIDATES.index(target), here - 1), here + 1)]
-        self.utilization = {d: per_call / chosen + per_token for d, (per_call, per_token) in models.items()}
-        self.chunk_size = chosen
-        return chosen
+        wanted = CANDIDATES.index(self.target)
+        here = CANDIDATES.index(self.chunk_size) if self.chunk_size in CANDIDATES else wanted
+        self.chunk_size = CANDIDATES[min(max(wanted, here - 1), here + 1)]
+        return self.chunk_size
 
 
-def _fit_cost(calls: Iterable[Tuple[int, int, float]]) -> Optional[Tuple[float, float]]:
-    """Least-squares ``seconds = a + b * tokens`` per call, both terms kept non-negative."""
-    calls = [c for c in calls if c[0] > 0]
+def busiest(loads: Dict[str, Tuple[float, float]], measured_at: int, size: int) -> float:
+    """``max u(C)`` over the actors at chunk ``size``, from their loads measured at chunk ``measured_at``."""
+    return max(per_call * measured_at / size + per_token for per_call, per_token in loads.values())
+
+
+def load(calls: List[Call]) -> Optional[Tuple[float, float]]:
+    """An actor's busy fraction over the window its calls cover, split into ``(per-call, per-token)`` parts."""
     if len(calls) < 4:
         return None
-    tokens = np.array([c[0] for c in calls], dtype=float)
-    seconds = np.array([c[2] for c in calls], dtype=float)
+    starts = np.array([c[0] for c in calls], dtype=float)
+    seconds = np.array([c[1] for c in calls], dtype=float)
+    tokens = np.array([c[2] for c in calls], dtype=float)
+    window = float((starts + seconds).max() - starts.min())
+    if window <= 0:
+        return None
+    a, b = _fit_cost(tokens, seconds)
+    per_call, per_token = a * len(calls), b * tokens.sum()
+    utilization = seconds.sum() / window
+    call_share = per_call / (per_call + per_token) if per_call + per_token > 0 else 1.0
+    return utilization * call_share, utilization * (1.0 - call_share)
+
+
+def _fit_cost(tokens: np.ndarray, seconds: np.ndarray) -> Tuple[float, float]:
+    """Least-squares ``seconds = a + b * tokens`` per call, both terms kept non-negative."""
     if np.ptp(tokens) == 0:
         # One size of call only: cannot separate the two terms, charge it all as overhead.
         return float(seconds.mean()), 0.0
     design = np.stack([np.ones_like(tokens), tokens], axis=1)
     (a, b), *_ = np.linalg.lstsq(design, seconds, rcond=None)
     if a < 0:
-        a, b = 0.0, float(seconds.sum() / tokens.sum())
+        a, b = 0.0, float(seconds.sum() / max(tokens.sum(), 1.0))
     if b < 0:
         a, b = float(seconds.mean()), 0.0
     return float(a), float(b)

@@ -124,15 +124,13 @@ class ChunkScorer:
     @torch.no_grad()
     def process(self, chunks: List[Chunk]) -> Dict[str, ScoredSequence]:
         """Prefill ``chunks`` and return the scores of the sequences that ended with them."""
-        started = time.perf_counter()
+        started_at, started = time.time(), time.perf_counter()
         work = [self._plan(chunk) for chunk in _merge_consecutive(chunks)]
         self._enforce_budget([w for w in work if not w.seq.broken])
 
         runnable = [w for w in work if w.tokens and not w.seq.broken]
-        forwards = 0
         for batch in self._batches(runnable):
             self._forward(batch)
-            forwards += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the time below is the GPU's, not the launch queue's
         now = time.time()
@@ -141,11 +139,11 @@ class ChunkScorer:
         results = {w.uid: self._finish(w) for w in work if w.final}
         seconds = time.perf_counter() - started
         self.stats["busy_s"] += seconds
-        self.calls.append((sum(len(w.tokens) for w in runnable), forwards, seconds))
+        self.calls.append((started_at, seconds, sum(len(w.tokens) for w in runnable)))
         return results
 
     def drain_calls(self) -> List[tuple]:
-        """(new tokens, forward passes, seconds) of each ``process`` call since the last drain."""
+        """(wall-clock start, seconds, new tokens) of each ``process`` call since the last drain."""
         calls, self.calls = self.calls, []
         return calls
 
