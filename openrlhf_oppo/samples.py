@@ -29,7 +29,6 @@ class OPPOSamplesGenerator(SamplesGenerator):
         super().__init__(*args, **kwargs)
         self.coordinator = coordinator
         self.tracer = tracer or Tracer(enabled=False, process="samples")
-        self.last_generation_s = 0.0
         self.dropped: List[StreamInfo] = []  # streamed sequences training will not see
         self._made = None  # the experiences made during ``_generate_vllm``
 
@@ -38,7 +37,6 @@ class OPPOSamplesGenerator(SamplesGenerator):
         try:
             return self._generate_samples(**generate_kwargs)
         finally:
-            self.last_generation_s = time.time() - start
             self.tracer.add("generation", start, time.time(), track="trainer")
 
     def _generate_samples(self, **generate_kwargs):

@@ -17,7 +17,7 @@ from openrlhf.utils.logging_utils import init_logger
 from openrlhf_oppo.config import describe
 from openrlhf_oppo.coordinator import StreamCoordinator
 from openrlhf_oppo.experience import StreamingExperienceMaker
-from openrlhf_oppo.overcommit.controller import OvercommitController
+from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming.chunking import ChunkSizeController
@@ -89,7 +89,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         )
         if not oppo.inter_step:
             return OPPOSamplesGenerator(**kwargs)
-        controller = OvercommitController(
+        bounds = dict(
             initial=oppo.overcommit_initial,
             auto=oppo.overcommit == "auto",
             window=oppo.overcommit_window,
@@ -98,6 +98,10 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             minimum=oppo.overcommit_min,
             maximum=oppo.overcommit_max,
         )
+        if oppo.overcommit_rule == "throughput":
+            controller = ThroughputController(batch=args.rollout.batch_size, **bounds)
+        else:
+            controller = OvercommitController(**bounds)
         return OvercommitSamplesGenerator(
             **kwargs,
             controller=controller,

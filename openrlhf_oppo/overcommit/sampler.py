@@ -79,8 +79,12 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         started = time.time()
         batch = self.args.rollout.batch_size
         stats = dict(completed=0, accepted=0)
-        self._top_up(batch + self.controller.delta, generate_kwargs)
+        done_at_start = self._done_now()
+        delta = self.controller.delta  # the Delta this step runs with
+        self._top_up(batch + delta, generate_kwargs)
         bth_done_at = self._wait(batch, generate_kwargs, started, stats)
+        # The throughput rule moves Delta on this step's wait (the reward-slope rule on the reward, later).
+        self.controller.record_generation(bth_done_at, done_at_start)
         taken = self._take(batch)
         carried = len(self.groups)
         carried_in_flight = sum(g.experiences is None for g in self.groups)
@@ -101,7 +105,8 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
                 experience.info["deferred_steps"] = torch.tensor([float(group.deferrals)])
             experiences.extend(group.experiences)
         self.metrics = {
-            "oppo/overcommit": float(self.controller.delta),
+            "oppo/overcommit": float(delta),
+            "oppo/groups_done_at_start": float(done_at_start),
             "oppo/carried_groups": float(carried),
             "oppo/carried_in_flight": float(carried_in_flight),
             "oppo/topped_up_at_step_end": float(len(self.groups) - carried),
@@ -118,6 +123,12 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         if exhausted:
             self._iter = None  # the next call starts the next episode
         return experiences, filter_pass_rate, len(taken), exhausted
+
+    def _done_now(self) -> int:
+        """Carried groups whose samples are all done (those that finished during training included)."""
+        running = [g.ref for g in self.groups if g.experiences is None]
+        ready, _ = ray.wait(running, num_returns=len(running), timeout=0) if running else ([], [])
+        return len(self.groups) - len(running) + len(ready)
 
     def record_reward(self, mean_reward: float) -> None:
         """Feed the step's mean reward to the Delta controller."""
