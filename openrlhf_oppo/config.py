@@ -195,6 +195,18 @@ OPTIONS = {
         ),
         900.0,
     ),
+    "frozen_scorers_on": (
+        dict(
+            choices=["auto", "generation", "models"],
+            help="Where the frozen models (reward and reference) run with --oppo.colocate_models. 'generation': "
+            "on the vLLM engines' GPUs, one rank per engine GPU, beside decoding (their weights never change, so "
+            "their streamed prefill need not wait for training), which leaves the models' GPUs to the critic and "
+            "the policy; needs --vllm.gpu_memory_utilization <= 0.8 for room beside the engine. 'models': on the "
+            "actor's GPUs with the others. 'auto': 'generation' where it applies (intra-step streaming of either "
+            "model, and the memory room), else 'models'.",
+        ),
+        "auto",
+    ),
     "trace_dir": (
         dict(
             help="Write a Chrome/Perfetto trace per step here (generation per engine, chunk prefills, experience, "
@@ -256,7 +268,7 @@ def validate(args) -> None:
         _check_oppo(args)
         _resolve_plan(args)
     else:
-        oppo.streamed_roles, oppo.inter_step = [], False
+        oppo.streamed_roles, oppo.inter_step, oppo.frozen_scorers_on = [], False, "models"
     print(f"[openrlhf-oppo] {describe(args)}", flush=True)
 
 
@@ -274,7 +286,10 @@ def _check_placement(args) -> None:
             "which in async mode already places only the DeepSpeed models together."
         )
     actor = (args.actor.num_nodes, args.actor.num_gpus_per_node)
+    frozen_with_vllm = args.oppo.frozen_scorers_on == "generation"
     for role in ("critic", "reward", "ref"):
+        if frozen_with_vllm and role != "critic":
+            continue  # checked against the engines' GPUs
         other = (getattr(args, role).num_nodes, getattr(args, role).num_gpus_per_node)
         if other != actor:
             raise OPPOConfigError(
@@ -283,6 +298,36 @@ def _check_placement(args) -> None:
             )
     if not args.vllm.num_engines:
         raise OPPOConfigError("--oppo.colocate_models places the vLLM engines apart: set --vllm.num_engines >= 1.")
+    if args.oppo.frozen_scorers_on == "generation":
+        _check_frozen_beside_vllm(args)
+
+
+# vLLM's share of a GPU it shares with the frozen models; the rest holds their weights, KV caches and activations.
+FROZEN_BESIDE_VLLM_MAX_UTILIZATION = 0.8
+
+
+def _check_frozen_beside_vllm(args) -> None:
+    if not args.oppo.colocate_models:
+        raise OPPOConfigError(
+            "--oppo.frozen_scorers_on generation places the reward and reference models on the vLLM engines' GPUs "
+            "of the split placement: add --oppo.colocate_models, or use --oppo.frozen_scorers_on models."
+        )
+    engine_gpus = args.vllm.num_engines * args.vllm.tensor_parallel_size
+    for group in ("reward", "ref"):
+        ranks = getattr(args, group).num_nodes * getattr(args, group).num_gpus_per_node
+        if ranks != engine_gpus:
+            raise OPPOConfigError(
+                f"--oppo.frozen_scorers_on generation puts one {group} rank on each vLLM GPU: set "
+                f"--{group}.num_nodes and --{group}.num_gpus_per_node to {engine_gpus} GPUs in all "
+                f"(--vllm.num_engines x --vllm.tensor_parallel_size), got {ranks}."
+            )
+    if args.vllm.gpu_memory_utilization > FROZEN_BESIDE_VLLM_MAX_UTILIZATION:
+        raise OPPOConfigError(
+            f"--oppo.frozen_scorers_on generation loads the reward and reference models beside vLLM, which takes "
+            f"--vllm.gpu_memory_utilization {args.vllm.gpu_memory_utilization:g} of each GPU: set it to at most "
+            f"{FROZEN_BESIDE_VLLM_MAX_UTILIZATION} (the KV cache shrinks accordingly), or use "
+            "--oppo.frozen_scorers_on models."
+        )
 
 
 def _check_oppo(args) -> None:
@@ -350,6 +395,8 @@ def _resolve_plan(args) -> None:
         if args.algo.kl.init_coef > 0:
             roles.append("reference")
     oppo.streamed_roles = roles
+    if oppo.frozen_scorers_on == "auto":
+        oppo.frozen_scorers_on = "generation" if _frozen_beside_vllm_applies(args) else "models"
 
     batch = args.rollout.batch_size
     if oppo.overcommit_max is None:
@@ -362,12 +409,27 @@ def _resolve_plan(args) -> None:
     )
 
 
+def _frozen_beside_vllm_applies(args) -> bool:
+    """'auto': the frozen models go beside vLLM where they stream and the placement has room for them."""
+    if not args.oppo.colocate_models or not {"reward", "reference"} & set(args.oppo.streamed_roles):
+        return False
+    try:
+        _check_frozen_beside_vllm(args)
+    except OPPOConfigError:
+        return False
+    return True
+
+
 def describe(args) -> str:
     """One line for the log: what OPPO will do in this run."""
     oppo = args.oppo
     if not oppo.enable:
         return "OPPO off" + (" (models colocated, vLLM apart)" if oppo.colocate_models else "")
     parts = [f"intra-step streaming to {', '.join(oppo.streamed_roles)}" if oppo.streamed_roles else "no streaming"]
+    if oppo.colocate_models:
+        parts.append(
+            f"reward and reference on the {'vLLM' if oppo.frozen_scorers_on == 'generation' else 'models'}' GPUs"
+        )
     if oppo.inter_step:
         parts.append(
             f"overcommit {oppo.overcommit} (start {oppo.overcommit_initial}), carry_kv {oppo.carry_kv}, "

@@ -1,9 +1,15 @@
-"""``--oppo.colocate_models``: actor, critic, reward and reference on one set of GPUs, vLLM on its own.
+"""``--oppo.colocate_models``: the models on one set of GPUs and the vLLM engines on their own.
 
-Upstream builds its placement groups inline in ``openrlhf/cli/train_ppo_ray.py:train`` (0.11.2) and its
-split placements need three or more GPU groups, so on a 2-GPU machine it can only colocate everything.
-There is no hook for another placement, so ``train`` below is COPIED from upstream 0.11.2 with two
-marked changes; ``patches/openrlhf/0002-placement-hook.patch`` adds the hook that would retire this copy.
+Actor, critic, reward and reference share the actor's GPUs, unless ``--oppo.frozen_scorers_on generation``
+puts the two frozen models (reward and reference) on the vLLM engines' GPUs instead: they never change
+weights, so their streamed prefill can run beside decoding, and the GPUs that train are left with the
+critic and the policy. Upstream's split placements need three or more GPU groups, so on 2 GPUs upstream
+can only colocate everything.
+
+Upstream builds its placement groups inline in ``openrlhf/cli/train_ppo_ray.py:train`` (0.11.2), with no
+hook for another placement, so ``train`` below is COPIED from upstream 0.11.2. Every change is marked
+``OPPO change``; ``patches/openrlhf/0002-colocate-models-placement.patch`` adds the
+``--train.colocate_models`` and ``--train.frozen_models_with_vllm`` flags that would retire this copy.
 """
 
 import os
@@ -16,6 +22,13 @@ from ray.util.placement_group import placement_group
 
 # The actor classes are read from their modules when ``train`` runs (``launcher.RewardModelActor``, ...),
 # so that the subclasses extension.py swaps in are the ones used.
+
+
+def _gpu_group(count: int):
+    bundles = [{"GPU": 1, "CPU": 1} for _ in range(count)]
+    pg = placement_group(bundles, strategy="PACK")
+    ray.get(pg.ready())
+    return pg
 
 
 def train(args):
@@ -38,15 +51,19 @@ def train(args):
     strategy = get_strategy(args)
     strategy.print(args)
 
-    # --- OPPO change 1 of 2: one placement group for actor, reference, critic and reward. ---
-    bundles = [{"GPU": 1, "CPU": 1} for _ in range(args.actor.num_nodes * args.actor.num_gpus_per_node)]
-    pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready())
+    # --- OPPO change: one placement group for the models on the actor's GPUs (upstream: one for actor and
+    # reference under colocate_actor_ref / colocate_all, and one for critic and reward under
+    # colocate_critic_reward, both removed here), and, with the frozen models beside vLLM, one for the
+    # engines' GPUs (upstream lets create_vllm_engines make it). config.validate checked the GPU counts. ---
+    pg = _gpu_group(args.actor.num_nodes * args.actor.num_gpus_per_node)
+    frozen_with_vllm = args.oppo.frozen_scorers_on == "generation"
+    vllm_pg = _gpu_group(args.vllm.num_engines * args.vllm.tensor_parallel_size) if frozen_with_vllm else None
 
     # init vLLM engine for text generation
     max_len = args.data.max_len
     vllm_engines = None
     if args.vllm.num_engines is not None and args.vllm.num_engines > 0:
+        # --- OPPO change: upstream's colocate_all assertion removed (colocate_all is refused with this placement). ---
         vllm_engines = create_vllm_engines(
             args.vllm.num_engines,
             args.vllm.tensor_parallel_size,
@@ -56,7 +73,7 @@ def train(args):
             args.vllm.enable_prefix_caching,
             args.vllm.enforce_eager,
             max_len,
-            None,  # --- OPPO change 2 of 2: the engines get GPUs of their own. ---
+            vllm_pg,  # --- OPPO change: the engines' own GPUs (upstream: the models' pg under colocate_all). ---
             args.vllm.gpu_memory_utilization,
             args.vllm.enable_sleep,
             "processed_logprobs" if args.algo.advantage.is_correction_level != "off" else None,
@@ -64,6 +81,10 @@ def train(args):
             remote_rm_url=args.reward.remote_url,
             max_images_per_prompt=getattr(args.data, "max_images_per_prompt", 0),
         )
+        if frozen_with_vllm:
+            # --- OPPO change: the engines take their share of GPU memory before the frozen models load
+            # beside them (vLLM sizes its KV cache from the memory it sees at start-up). ---
+            ray.get([engine.get_num_unfinished_requests.remote() for engine in vllm_engines])
 
     actor_model = RayActorGroup(
         args.actor.num_nodes,
@@ -74,18 +95,22 @@ def train(args):
         duplicate_actors=args.ds.ring_attn_size * args.ds.tensor_parallel_size,
     )
 
+    # --- OPPO change: the frozen models' placement group (upstream: pg, or none outside colocate_all). ---
+    frozen_pg = vllm_pg if frozen_with_vllm else pg
     if args.algo.kl.init_coef > 0:
         ref_model = RayActorGroup(
             args.ref.num_nodes,
             args.ref.num_gpus_per_node,
             launcher.ReferenceModelActor,
-            pg=pg,
-            num_gpus_per_actor=0.2 if pg else 1,
+            pg=frozen_pg,
+            num_gpus_per_actor=0.2 if frozen_pg else 1,
             duplicate_actors=args.ds.ring_attn_size * args.ds.tensor_parallel_size,
         )
     else:
         ref_model = None
 
+    # --- OPPO change: upstream's `pg = None` and the critic/reward placement group removed: the critic
+    # stays on the models' pg. ---
     if args.critic.model_name_or_path:
         critic_model = RayActorGroup(
             args.critic.num_nodes,
@@ -104,8 +129,8 @@ def train(args):
             args.reward.num_nodes,
             args.reward.num_gpus_per_node,
             launcher.RewardModelActor,
-            pg=pg,
-            num_gpus_per_actor=0.2 if pg else 1,
+            pg=frozen_pg,
+            num_gpus_per_actor=0.2 if frozen_pg else 1,
             duplicate_actors=args.ds.ring_attn_size * args.ds.tensor_parallel_size,
         )
     else:

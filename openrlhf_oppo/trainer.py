@@ -128,8 +128,18 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                 calls_in_flight=oppo.prefill_calls_in_flight,
                 flush_interval_s=oppo.flush_interval_ms / 1000,
             ),
+            affinity=self._frozen_affinity(),
         )
         super().fit(global_step)
+
+    def _frozen_affinity(self) -> dict:
+        """With the frozen models on the engines' GPUs, each engine streams to the rank on its own first GPU
+        (placement.train puts rank r and engine r // TP on bundle r of the engines' placement group)."""
+        if self.args.oppo.frozen_scorers_on != "generation":
+            return {}
+        tp = self.args.vllm.tensor_parallel_size
+        first_gpus = [engine * tp for engine in range(len(self.vllm_engines))]
+        return {role: first_gpus for role in ("reward", "reference")}
 
     # -- one step -----------------------------------------------------------------------------------
 

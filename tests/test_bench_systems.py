@@ -3,14 +3,14 @@
 import pytest
 from openrlhf.utils import deepspeed
 
-from openrlhf_oppo.bench.systems import SYSTEMS, common_flags, system_flags
+from openrlhf_oppo.bench.systems import SPLIT_ONLY, SYSTEMS, common_flags, system_flags
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
 
 @pytest.mark.parametrize("placement,gpus", [("split", 2), ("colocated", 1)])
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatch):
-    if system in ("upstream-async", "oppo-both-early") and placement == "colocated":
+    if system in SPLIT_ONLY and placement == "colocated":
         with pytest.raises(ValueError, match="GPUs of its own"):
             system_flags(system, placement, 16)
         return
@@ -27,3 +27,6 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
         assert args.oppo.inter_step == (system != "oppo-intra")
         assert args.oppo.top_up == ("step_end" if system == "oppo-both-early" else "step_start")
         assert bool(args.oppo.streamed_roles) == (system != "oppo-inter")
+        # The frozen models go beside vLLM wherever they stream in the split placement.
+        beside_vllm = placement == "split" and system not in ("oppo-inter", "oppo-both-frozen-with-models")
+        assert args.oppo.frozen_scorers_on == ("generation" if beside_vllm else "models")

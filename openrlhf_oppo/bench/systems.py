@@ -9,18 +9,30 @@ that is upstream OpenRLHF (``--bench.lengths_from_label`` only fixes the respons
   placement from ``--train.colocate_all``, which in async mode places only the DeepSpeed models together.
 * ``colocated``: everything on every GPU, upstream's hybrid engine (vLLM and DeepSpeed sleep in turn).
 
-``oppo-both-early`` is ``oppo-both`` with ``--oppo.top_up step_end``: the next step's prompts start
-decoding during training (split placement only).
+In the split placement the OPPO systems put the reward and reference models on the vLLM GPUs
+(``--oppo.frozen_scorers_on auto``); ``oppo-both-frozen-with-models`` keeps them with the other models, as
+the upstream systems do. ``oppo-both-early`` is ``oppo-both`` with ``--oppo.top_up step_end``: the next step's
+prompts start decoding during training (split placement only). Every system gets the same vLLM memory
+share, small enough for the frozen models to fit beside the engines.
 """
 
-SYSTEMS = ("upstream-sync", "upstream-async", "oppo-intra", "oppo-inter", "oppo-both", "oppo-both-early")
+SYSTEMS = (
+    "upstream-sync",
+    "upstream-async",
+    "oppo-intra",
+    "oppo-inter",
+    "oppo-both",
+    "oppo-both-early",
+    "oppo-both-frozen-with-models",
+)
+SPLIT_ONLY = ("upstream-async", "oppo-both-early", "oppo-both-frozen-with-models")
 
 
 def system_flags(system: str, placement: str, overcommit: int) -> list:
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     colocated = placement == "colocated"
-    if colocated and system in ("upstream-async", "oppo-both-early"):
+    if colocated and system in SPLIT_ONLY:
         raise ValueError(f"{system} needs GPUs of its own for vLLM: use --placement split")
     if system == "upstream-async":
         return ["--train.async_enable", "--train.partial_rollout_enable", "--train.colocate_all"]
@@ -34,7 +46,11 @@ def system_flags(system: str, placement: str, overcommit: int) -> list:
     if system == "oppo-inter":
         return flags + ["--oppo.intra_step", "off", "--oppo.overcommit", str(overcommit)]
     flags += ["--oppo.intra_step", "on", "--oppo.overcommit", str(overcommit)]
-    return flags + (["--oppo.top_up", "step_end"] if system == "oppo-both-early" else [])
+    if system == "oppo-both-early":
+        flags += ["--oppo.top_up", "step_end"]
+    if system == "oppo-both-frozen-with-models":
+        flags += ["--oppo.frozen_scorers_on", "models"]
+    return flags
 
 
 def common_flags(
@@ -58,7 +74,7 @@ def common_flags(
     flags = [
         "--vllm.num_engines", str(engines),
         "--vllm.tensor_parallel_size", "1",
-        "--vllm.gpu_memory_utilization", "0.45" if placement == "colocated" else "0.85",
+        "--vllm.gpu_memory_utilization", "0.45" if placement == "colocated" else "0.75",
         "--actor.model_name_or_path", f"{models}/actor",
         "--reward.model_name_or_path", f"{models}/reward",
         "--critic.model_name_or_path", f"{models}/reward",
