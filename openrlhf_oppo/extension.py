@@ -13,7 +13,7 @@ and the experience maker) are replaced by ``OPPOTrainer.__init__``, not here.
 | ppo_critic.CriticModelActor                | streaming.actors.StreamingCriticModelActor    | --oppo.enable |
 | ppo_actor.PolicyModelActor                 | streaming.actors.StreamingPolicyModelActor    | --oppo.enable |
 | ppo_trainer.PPOTrainer                     | trainer.OPPOTrainer             | --oppo.enable                     |
-| train_ppo_ray.train (the placement)        | placement.train                 | --oppo.colocate_models            |
+| train_ppo_ray.train (the placement)        | placement.train                 | --oppo.colocate_models (and --oppo.frozen_scorers_on) |
 | deepspeed.DeepspeedStrategy (get_strategy) | bench.seeded_order.SeededOrderStrategy | --bench.seed_prompt_order  |
 | (in OPPOTrainer) SamplesGenerator          | samples.OPPOSamplesGenerator / overcommit.sampler.OvercommitSamplesGenerator | --oppo.enable |
 | (in OPPOTrainer) RemoteExperienceMaker     | experience.StreamingExperienceMaker | a role streams |
@@ -41,8 +41,10 @@ def configure(args) -> None:
 
         seeded_order.install()
     if args.oppo.colocate_models:
-        # Upstream's experience maker and trainer then treat the shared GPUs as colocated.
+        # Upstream's experience maker and trainer then treat the shared GPUs as colocated; a patched upstream's
+        # train() places the models from these flags (patch 0002), the wrapper from placement.train.
         args.train.colocate_models = args.train.colocate_actor_ref = args.train.colocate_critic_reward = True
+        args.train.frozen_models_with_vllm = args.oppo.frozen_scorers_on == "generation"
     components = sys.modules["__main__"].__dict__.get("COMPONENTS")
     if components is None or not (args.oppo.enable or args.bench.lengths_from_label):
         return
