@@ -19,6 +19,7 @@ import sys
 from contextlib import contextmanager
 
 from openrlhf_oppo import compat, config, extension
+from openrlhf_oppo.coordinator import OPPOActorError
 
 UPSTREAM = "openrlhf.cli.train_ppo_ray"
 
@@ -93,6 +94,10 @@ def main() -> None:
             runpy.run_module(UPSTREAM, run_name="__main__", alter_sys=True)
         except config.OPPOConfigError as error:
             sys.exit(f"openrlhf-oppo: error: {error}")
+        except OPPOActorError as error:
+            # Raised in the trainer actor, it reaches the driver wrapped in Ray's RayTaskError (a subclass of
+            # both): say what died and where, not the trainer's traceback.
+            sys.exit(f"openrlhf-oppo: error: {getattr(error, 'cause', error)}")
 
 
 if __name__ == "__main__":
