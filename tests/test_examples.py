@@ -84,3 +84,13 @@ def test_generation_gap_behind_the_tokenizer_caveat_is_what_the_results_say():
         ).stdout
         assert out == (results / run / "generation-gap.txt").read_text()
         assert out.splitlines()[-1].endswith(f"measured steps: mean {mean} s")
+
+
+def test_readme_quick_start_parses(fake_python):
+    """The README's GPU quick start passes upstream's parser and OPPO's checks, and streams all four models."""
+    readme = (SCRIPTS.parents[1] / "README.md").read_text()
+    command = readme.split("## Quick start on GPU")[1].split("```bash\n")[1].split("```")[0]
+    env = dict(os.environ, PATH=f"{fake_python}:{os.environ['PATH']}")
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "parsed True ['reward', 'critic', 'ref', 'actor']" in result.stdout
