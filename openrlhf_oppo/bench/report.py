@@ -170,6 +170,8 @@ def plot_breakdown(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = [n for n, r in results["systems"].items() if r.get("summary")]
+    if not names:
+        return
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(names) + 1.5))
     for i, name in enumerate(names):
         s, left = results["systems"][name]["summary"], 0.0
