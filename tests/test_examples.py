@@ -72,7 +72,10 @@ def test_parity_reward_reads_token_ids_back_from_the_benchmark_tokenizer(tmp_pat
 def test_generation_gap_behind_the_tokenizer_caveat_is_what_the_results_say():
     """docs/RESULTS.md sizes upstream's per-call tokenizer by this script's output on the committed JSON."""
     results = SCRIPTS.parents[1] / "docs" / "results"
-    for run, mean in (("h200x4-s3-2gpu-split", "3.93"), ("h200x4-s3-2gpu-split-ablation", "4.86")):
+    for run, mean in (
+        ("split-2gpu-1.5b-lognormal-unpatched", "3.93"),
+        ("split-2gpu-1.5b-lognormal-unpatched-intra-vs-inter", "4.86"),
+    ):
         out = subprocess.run(
             [sys.executable, str(SCRIPTS / "generation_gap.py"), str(results / run / "results.json")],
             capture_output=True,
@@ -81,3 +84,13 @@ def test_generation_gap_behind_the_tokenizer_caveat_is_what_the_results_say():
         ).stdout
         assert out == (results / run / "generation-gap.txt").read_text()
         assert out.splitlines()[-1].endswith(f"measured steps: mean {mean} s")
+
+
+def test_readme_quick_start_parses(fake_python):
+    """The README's GPU quick start passes upstream's parser and OPPO's checks, and streams all four models."""
+    readme = (SCRIPTS.parents[1] / "README.md").read_text()
+    command = readme.split("## Quick start on GPU")[1].split("```bash\n")[1].split("```")[0]
+    env = dict(os.environ, PATH=f"{fake_python}:{os.environ['PATH']}")
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "parsed True ['reward', 'critic', 'ref', 'actor']" in result.stdout

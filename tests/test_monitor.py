@@ -1,4 +1,4 @@
-"""The benchmark samples only its own GPUs, so that benchmarks can share a machine (gpu_lanes.sh)."""
+"""The benchmark samples only its own GPUs (CUDA_VISIBLE_DEVICES), so that several benchmarks can share a machine."""
 
 from openrlhf_oppo.bench.monitor import visible_gpus
 

@@ -1,21 +1,97 @@
-"""The tables in docs/results are what bench.report makes of the raw results.json next to them (or of the
-results-*.json of lanes that ran side by side, merged)."""
+"""docs/results and docs/RESULTS.md are what bench.report makes of the committed raw JSON: each run's
+table.md, the summary table and each run's section (command, raw files, table)."""
 
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from openrlhf_oppo.bench import report
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
 RUNS = sorted(p.parent for p in RESULTS.glob("*/table.md") if list(p.parent.glob("results*.json")))
+FOLDERS = sorted(str(p) + "/" for p in RESULTS.iterdir() if p.is_dir())
 
 
 @pytest.mark.parametrize("folder", RUNS, ids=[p.name for p in RUNS])
 def test_committed_table_is_made_from_the_raw_results(folder, tmp_path):
-    paths = sorted(folder.glob("results.json")) or sorted(folder.glob("results-*.json"))
-    results = report.merge([str(p) for p in paths])
+    results = report.run_results(str(folder))
     assert results["machine"]["gpus"] and results["command"].startswith("python -m openrlhf_oppo.bench")
+    assert results["commit"], f"{folder.name}: no commit in results.json and no commit.txt"
     assert report.table(results) == (folder / "table.md").read_text()
     report.write(results, str(tmp_path))
-    assert (tmp_path / "breakdown.png").stat().st_size > 0 and (tmp_path / "timeline.png").stat().st_size > 0
+    if any(r.get("summary") for r in results["systems"].values()):
+        assert (tmp_path / "breakdown.png").stat().st_size > 0 and (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_results_page_opens_with_the_summary_made_from_the_raw_json(tmp_path):
+    """``report --summary docs/results/*/ --into docs/RESULTS.md`` leaves the committed page as it is."""
+    page = tmp_path / "RESULTS.md"
+    shutil.copy(ROOT / "docs" / "RESULTS.md", page)
+    subprocess.run(
+        [sys.executable, "-m", "openrlhf_oppo.bench.report", "--summary", *FOLDERS, "--into", str(page)],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
+    assert page.read_text() == (ROOT / "docs" / "RESULTS.md").read_text()
+    text = page.read_text()
+    assert text.index(report.SUMMARY_START) < text.index("## The runs")
+    summary = report.summary(FOLDERS)
+    # Every speed run is in it; the patched baseline leads.
+    assert summary.splitlines()[2].split("|")[5].strip() == "patched"
+    for folder in RUNS:
+        if not report.is_convergence(report.run_results(str(folder))):
+            assert f"[{folder.name}](results/{folder.name}/)" in summary
+
+
+@pytest.mark.parametrize("folder", RUNS, ids=[p.name for p in RUNS])
+def test_every_run_has_its_section(folder):
+    text = (ROOT / "docs" / "RESULTS.md").read_text()
+    heading = f"\n### {folder.name}\n"
+    assert heading in text
+    own = text.split(heading)[1].split("\n### ")[0]
+    assert report.section(str(folder)).rstrip("\n") in own
+
+
+def test_summary_ratios_and_failures(tmp_path):
+    """Speed-ups are taken against upstream sync and async of the same run; a failed system shows its exit code."""
+    run = report.run_results(str(RESULTS / "split-2gpu-1.5b-lognormal-unpatched-repeat"))
+    run["systems"]["oppo-intra"] = dict(returncode=1, steps=[])
+    del run["commit"]  # taken from commit.txt where results.json has none
+    folder = tmp_path / "a-run"
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps(run))
+    (folder / "commit.txt").write_text("abc1234\n")
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in report.summary([str(folder)]).splitlines()[2:]]
+    rows = {row[7]: row[8:11] for row in cells}
+    assert rows["upstream-sync"] == ["16.99", "1.00x", "0.59x"]
+    assert rows["oppo-both"] == ["7.32", "2.32x", "1.38x"]
+    assert rows["oppo-intra"] == ["failed (exit 1)", "-", "-"]
+    assert "abc1234" in report.summary([str(folder)])
+
+
+def test_shown_command_leaves_out_the_machines_folders():
+    command = (
+        "python -m openrlhf_oppo.bench --gpus 2 --workdir /tmp/w --scratch /tmp/s --out /tmp/o"
+        " --extra=--reward.remote_url=/home/me/oppo/examples/reward/parity_reward.py ; python -m x --out /o"
+    )
+    shown = report.shown_command({"command": command})
+    assert shown.splitlines() == [
+        "python -m openrlhf_oppo.bench --gpus 2 --out OUT \\",
+        "    --extra=--reward.remote_url=$PWD/examples/reward/parity_reward.py",
+        "python -m x --out OUT",
+    ]
+
+
+def test_results_record_the_commit_of_the_code():
+    from openrlhf_oppo.bench.__main__ import _commit
+
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode:
+        pytest.skip("not a git checkout")
+    assert _commit().removesuffix("-dirty") == head.stdout.strip()

@@ -3,7 +3,7 @@
 # Decides --oppo.intra_step auto under --train.colocate_all: OPPO must not make this step slower.
 # (Upstream async needs GPUs of its own for vLLM, so it is not in this placement.)
 # PATCHED=1 runs every system on OpenRLHF with patches/openrlhf applied (as bench_2gpu_split.sh).
-# TIMEOUT (s, default 600) a system: the first one on a fresh H100 took 417 s (warm-up and the first step).
+# TIMEOUT (s, default 600) a system: the first start on a machine compiles vLLM's kernels, which takes minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -1,11 +1,12 @@
 #!/bin/bash
 # The 2-GPU side-by-side benchmark of docs/RESULTS.md: vLLM on one GPU, the four models on the other,
 # Qwen2.5-1.5B shape, long-tail lengths (lognormal, mean 500, up to 4096 tokens), all six systems.
+# The models' GPU holds four 1.5B models with their optimizer states: it needs more than 80 GB.
 # PATCHED=1 runs every system on OpenRLHF with patches/openrlhf applied (--upstream_patches): upstream
 # then gets the fixes OPPO proposes (the tokenizer sent once, the faster advantage recurrence).
-# About 2.5 minutes of device time a system on a warm machine (plus 2.5 for a fresh machine's warm-up):
-# split --systems across calls of 10 minutes and merge with
-#   python -m openrlhf_oppo.bench.report runs/2gpu-a/results.json runs/2gpu-b/results.json --out docs/results/...
+# About 2.5 minutes a system once vLLM's kernels are compiled (the first start on a machine takes longer).
+# Systems run one after the other; to run them in parts, pass SYSTEMS and OUT_DIR and merge the parts with
+#   python -m openrlhf_oppo.bench.report runs/2gpu-a/results.json runs/2gpu-b/results.json --out runs/2gpu
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

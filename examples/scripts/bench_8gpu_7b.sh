@@ -1,5 +1,5 @@
 #!/bin/bash
-# NOT RUN HERE: needs 8 GPUs (no 8-GPU machine was lent to this project so far).
+# Not measured yet (docs/RESULTS.md). Needs 8 GPUs.
 # Paper scale: Qwen2.5-7B-shaped actor, critic, reward and reference (random init), 4 GPUs of vLLM
 # engines and 4 for the models, long-tail workload; upstream sync, upstream async with partial rollout
 # and OPPO with both halves in one invocation.

@@ -7,7 +7,8 @@
 # Advantages come from group_norm (4 samples a prompt): with GAE from a random critic and the digit reward
 # the first GPU attempt stayed flat for 30 steps; on CPU both rewards rise under clean advantages
 # (examples/scripts/reward_learnability_cpu.py, docs/RESULTS.md).
-# RUNS picks the runs (default all three, one after the other; gpu_lanes.sh gives them two GPUs).
+# RUNS picks the runs (default all three, one after the other; on two GPUs, start RUNS="a b" and RUNS=c
+# with a CUDA_VISIBLE_DEVICES each).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -5,7 +5,7 @@ decode the same prompts in the same step; this checks that they did (equal mean 
 step) and prints the difference of their ``timing/generation``. docs/RESULTS.md uses it to size what
 upstream's per-call tokenizer costs (OPPO's samples generator sends it once):
 
-    python examples/scripts/generation_gap.py docs/results/h200x4-s3-2gpu-split/results.json
+    python examples/scripts/generation_gap.py docs/results/split-2gpu-1.5b-lognormal-unpatched/results.json
 """
 
 import argparse

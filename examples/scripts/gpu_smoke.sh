@@ -1,6 +1,6 @@
 #!/bin/bash
-# The upstream PPO smoke of the GPU notes (tiny random model, one GPU, everything colocated, 3 steps),
-# through openrlhf-oppo's wrapper. Extra flags (OPPO's, say) are appended from the command line.
+# A check of a GPU install: 3 PPO steps on a small random model (built on the spot, no downloads), one GPU,
+# everything colocated, through openrlhf-oppo's wrapper. Extra flags (OPPO's, say) are appended.
 #   bash examples/scripts/gpu_smoke.sh                       # OPPO off: upstream's run
 #   bash examples/scripts/gpu_smoke.sh --oppo.enable         # OPPO on
 # Needs the GPU stack (vllm, ray, deepspeed, openrlhf); writes into ${WORK:-/tmp/oppo-smoke}.

@@ -1,6 +1,7 @@
 #!/bin/bash
-# NOT RUN HERE (8 GPUs and downloads). The paper's second setting: Qwen2.5-3B-Instruct on OpenCoder-SFT
-# stage 2 prompts, scored by a reward model. OPPO by default; upstream twin: ppo_qwen2.5_3b_opencoder_upstream.sh.
+# The paper's second setting: Qwen2.5-3B-Instruct on OpenCoder-SFT stage 2 prompts, scored by a reward
+# model. 8 GPUs; downloads the model and data; not measured yet (docs/RESULTS.md). OPPO by default;
+# upstream twin: ppo_qwen2.5_3b_opencoder_upstream.sh.
 # REWARD_MODEL: a reward model for code answers (the paper does not publish one).
 set -euo pipefail
 : "${REWARD_MODEL:?set REWARD_MODEL to a reward model for code answers}"

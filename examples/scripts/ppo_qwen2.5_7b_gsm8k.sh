@@ -1,8 +1,8 @@
 #!/bin/bash
-# NOT RUN HERE (8 GPUs and downloads). The paper's third setting: Qwen2.5-7B on GSM8K with a rule reward
-# (examples/reward/gsm8k_reward.py: 1 if the last number of the answer is the reference's). The reward
-# is computed in the rollout actors, so only critic and reference stream. OPPO by default; upstream
-# twin: ppo_qwen2.5_7b_gsm8k_upstream.sh.
+# The paper's third setting: Qwen2.5-7B on GSM8K with a rule reward (examples/reward/gsm8k_reward.py: 1
+# if the last number of the answer is the reference's). The reward is computed in the rollout actors, so
+# the critic, reference and policy stream and no reward model runs. 8 GPUs; downloads the model and data;
+# not measured yet (docs/RESULTS.md). OPPO by default; upstream twin: ppo_qwen2.5_7b_gsm8k_upstream.sh.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OPPO_FLAGS="--oppo.enable --oppo.overcommit auto --oppo.chunk_size auto --oppo.trace_dir ${SAVE:-ckpt}/trace"

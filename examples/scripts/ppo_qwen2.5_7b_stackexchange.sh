@@ -1,7 +1,7 @@
 #!/bin/bash
-# NOT RUN HERE (8 GPUs and downloads). The paper's first setting: Qwen2.5-7B-Instruct actor and a 7B
-# reward model on Stack-Exchange-Paired. OPPO by default; the upstream twin is the same run without the
-# --oppo.* flags (ppo_qwen2.5_7b_stackexchange_upstream.sh).
+# The paper's first setting: Qwen2.5-7B-Instruct actor and a 7B reward model on Stack-Exchange-Paired.
+# 8 GPUs; downloads the model and data; not measured yet (docs/RESULTS.md). OPPO by default; the
+# upstream twin is the same run without the --oppo.* flags (ppo_qwen2.5_7b_stackexchange_upstream.sh).
 # Placement: 4 GPUs for vLLM engines, 4 for actor, critic, reward and reference (--oppo.colocate_models).
 # REWARD_MODEL: a Qwen2.5-7B reward model trained on Stack-Exchange-Paired preferences (the paper trains
 # its own; OpenRLHF's train_rm makes one).

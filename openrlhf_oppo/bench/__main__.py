@@ -10,8 +10,8 @@ so all systems decode exactly the same tokens. The first ``--warmup`` steps are 
 
 Per system the harness keeps every logged step (OpenRLHF's tensorboard scalars: phase timings,
 ``oppo/*``), the wall time between steps, GPU utilization sampled with NVML, and the log's tail. It
-writes ``results.json`` (all of it, with the command, versions and GPU names), ``table.md`` and the
-plots (``python -m openrlhf_oppo.bench.report`` redraws them from any ``results.json``).
+writes ``results.json`` (all of it, with the command, the code's commit, versions and GPU names),
+``table.md`` and the plots (``python -m openrlhf_oppo.bench.report`` redraws them from any ``results.json``).
 """
 
 import argparse
@@ -81,6 +81,7 @@ def main():
     results = dict(
         command=" ".join(["python -m openrlhf_oppo.bench"] + sys.argv[1:]),
         date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        commit=_commit(),
         machine=dict(
             gpus=_gpu_names(),
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -180,6 +181,21 @@ def _gpu_names():
         return []
     names = [line.strip() for line in out.stdout.splitlines() if line.strip()]
     return [names[i] for i in visible_gpus(len(names))]
+
+
+def _commit():
+    """The commit of openrlhf-oppo's code when it runs from a git checkout ("-dirty" with local changes)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
+        changes = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+    except FileNotFoundError:
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("-dirty" if changes.stdout.strip() else "")
 
 
 def _versions():

@@ -2,7 +2,7 @@
 
 The patches are the upstream changes OPPO would like merged (hooks, and fixes such as sending the
 tokenizer to the rollout actors once). Some of them make upstream itself faster, so a benchmark run on
-the patched copy compares OPPO with the upstream that would ship them, not only with 0.11.2 as released.
+the patched copy compares OPPO with the upstream that would ship them, not only with 0.11.2 as published.
 """
 
 import shutil

@@ -1,6 +1,13 @@
 """Tables and plots from ``results.json`` (written by ``python -m openrlhf_oppo.bench``).
 
-    python -m openrlhf_oppo.bench.report runs/2gpu/results.json [more results.json] --out docs/results/2gpu
+    python -m openrlhf_oppo.bench.report runs/2gpu/results.json [more results.json] --out runs/2gpu
+    python -m openrlhf_oppo.bench.report --summary docs/results/*/ [--into docs/RESULTS.md]
+    python -m openrlhf_oppo.bench.report --section docs/results/NAME/
+
+The first writes ``table.md`` and the plots of one run (several ``results.json`` of one machine are
+merged). ``--summary`` prints one row per system of every run folder given (a speed table; convergence
+runs are left out), or with ``--into`` replaces the summary block of that markdown file.
+``--section`` prints the start of a run's section in docs/RESULTS.md: its command, raw files and table.
 
 Runs of 10 steps or more also get a convergence table (reward per step, time to a target reward) and
 plot. A step's time is the wall time between its log and the previous step's (all phases, queue waits and
@@ -12,6 +19,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import statistics
 
 PHASES = ("generation", "make_experience", "ppo_train", "broadcast")
@@ -26,6 +34,10 @@ OPPO_KEYS = (
     "fallback_micro_batches",
 )
 CONVERGENCE_MIN_STEPS = 10  # runs this long get the convergence table and plot
+SUMMARY_START = (
+    "<!-- summary: python -m openrlhf_oppo.bench.report --summary docs/results/*/ --into docs/RESULTS.md -->"
+)
+SUMMARY_END = "<!-- end of summary -->"
 
 
 def read_steps(tb_dir: str) -> list:
@@ -158,6 +170,8 @@ def plot_breakdown(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = [n for n, r in results["systems"].items() if r.get("summary")]
+    if not names:
+        return
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(names) + 1.5))
     for i, name in enumerate(names):
         s, left = results["systems"][name]["summary"], 0.0
@@ -264,6 +278,122 @@ def merge(paths: list) -> dict:
     return merged
 
 
+def run_results(folder: str) -> dict:
+    """A run folder's results: its ``results.json``, or its ``results-*.json`` (systems of one run measured
+    side by side on one host) merged. The code's commit is the one results.json records, else ``commit.txt``."""
+    paths = sorted(glob.glob(os.path.join(folder, "results.json"))) or sorted(
+        glob.glob(os.path.join(folder, "results-*.json"))
+    )
+    if not paths:
+        return {}
+    results = merge(paths)
+    commit_file = os.path.join(folder, "commit.txt")
+    if not results.get("commit") and os.path.exists(commit_file):
+        results["commit"] = open(commit_file).read().strip()
+    return results
+
+
+def is_convergence(results: dict) -> bool:
+    return max(len(r.get("steps") or []) for r in results["systems"].values()) >= CONVERGENCE_MIN_STEPS
+
+
+def summary(folders: list) -> str:
+    """One row per system of every speed run: placement, shape, workload, baseline patched or not, step
+    time and speed-up against upstream sync and async of the same run, card and commit.
+
+    Runs against the patched upstream come first, then the others, newest first; runs in which every
+    system failed come last. A run's cells are on its first row; a failed system shows its exit code.
+    """
+    runs = []
+    for folder in folders:
+        results = run_results(folder)
+        if results and not is_convergence(results):
+            runs.append((os.path.basename(os.path.normpath(folder)), results))
+    runs.sort(key=lambda run: run[0])
+    runs.sort(key=lambda run: run[1].get("date", ""), reverse=True)
+    runs.sort(key=lambda run: (not any(r.get("summary") for r in run[1]["systems"].values()), not _patched(run[1])))
+    lines = [
+        "| run | placement | shape | workload | OpenRLHF | card | commit | system | step (s) | vs sync | vs async"
+        " | measured steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, results in runs:
+        settings, workload, systems = results["settings"], results["workload"], results["systems"]
+        base = {
+            kind: (systems.get(f"upstream-{kind}", {}).get("summary") or {}).get("step_mean_s")
+            for kind in ("sync", "async")
+        }
+        gpus = results["machine"]["gpus"]
+        run = (
+            f"| [{name}](results/{name}/) | {settings['placement']}, {settings['gpus']} GPU"
+            + ("s" if settings["gpus"] > 1 else "")
+            + f" | {settings['shape']} | {workload['distribution']}, mean {workload['mean_length']:.0f},"
+            f" max {workload['max_length']} | {'patched' if _patched(results) else 'unpatched'}"
+            f" | {len(gpus)}x {gpus[0].removeprefix('NVIDIA ') if gpus else 'CPU'} | {results.get('commit') or '-'} |"
+        )
+        # Upstream's systems first: the baselines the ratios are taken against.
+        for system in sorted(systems, key=lambda s: not s.startswith("upstream-")):
+            result = systems[system]
+            step = (result.get("summary") or {}).get("step_mean_s")
+            if step is None:
+                cells = f"failed (exit {result.get('returncode')}) | - | -"
+            else:
+                ratios = [f"{base[kind] / step:.2f}x" if base[kind] else "-" for kind in ("sync", "async")]
+                cells = f"{step:.2f} | {ratios[0]} | {ratios[1]}"
+            lines.append(f"{run} {system} | {cells} | {settings['steps']} |")
+            run = "|" + " |" * 7
+    return "\n".join(lines) + "\n"
+
+
+def _patched(results: dict) -> bool:
+    return bool(results.get("upstream_patches"))
+
+
+def replace_summary(markdown: str, table_md: str) -> str:
+    """``markdown`` with the block between SUMMARY_START and SUMMARY_END replaced by ``table_md``."""
+    start, end = markdown.index(SUMMARY_START) + len(SUMMARY_START), markdown.index(SUMMARY_END)
+    return markdown[:start] + "\n" + table_md + markdown[end:]
+
+
+def shown_command(results: dict) -> str:
+    """The recorded command(s), one per line, without the machine's own folders: --workdir and --scratch
+    are dropped, --out becomes OUT, and paths into this repository start at $PWD."""
+    commands = []
+    for command in results["command"].split(" ; "):
+        items = []  # a flag with its value, or a lone word
+        for word in command.split():
+            word = re.sub(r"=/\S*?/(examples|docs)/", r"=$PWD/\1/", word)
+            if items and items[-1].startswith("--") and " " not in items[-1] and not word.startswith("--"):
+                items[-1] += " " + word
+            else:
+                items.append(word)
+        items = [item for item in items if item.split()[0] not in ("--workdir", "--scratch")]
+        items = ["--out OUT" if item.startswith("--out ") else item for item in items]
+        lines = [""]
+        for item in items:
+            if lines[-1] and len(lines[-1]) + len(item) > 100:
+                lines.append("   ")
+            lines[-1] += (" " if lines[-1] else "") + item
+        commands.append(" \\\n".join(lines))
+    return "\n".join(commands)
+
+
+def section(folder: str) -> str:
+    """What docs/RESULTS.md shows of a run below its own heading and text: the command that made it, links
+    to its raw files and plots, and its table (``table.md``, which the tests check against the raw JSON)."""
+    name = os.path.basename(os.path.normpath(folder))
+    results = run_results(folder)
+    raw = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "results*.json")))
+    extra = sorted(
+        os.path.basename(p)
+        for pattern in ("*.png", "trace-*.json", "*.txt")
+        for p in glob.glob(os.path.join(folder, pattern))
+        if not p.endswith("commit.txt")
+    )
+    links = " · ".join(f"[{file}](results/{name}/{file})" for file in raw + extra)
+    return f"```\n{shown_command(results)}\n```\n\n{links}\n\n{open(os.path.join(folder, 'table.md')).read()}"
+
+
 def _title(results):
     settings = results["settings"]
     gpus = results["machine"]["gpus"]
@@ -281,11 +411,29 @@ def _fmt(value):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="+")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("paths", nargs="+", help="results.json files, or run folders with --summary/--section")
+    parser.add_argument("--out", help="where table.md and the plots go")
+    parser.add_argument("--summary", action="store_true", help="the summary table of the run folders given")
+    parser.add_argument("--into", help="with --summary: replace the summary block of this markdown file")
+    parser.add_argument("--section", action="store_true", help="the start of each run folder's RESULTS section")
     args = parser.parse_args()
-    write(merge(args.results), args.out)
-    print(open(os.path.join(args.out, "table.md")).read())
+    if args.summary:
+        table_md = summary(args.paths)
+        if args.into:
+            with open(args.into) as f:
+                markdown = f.read()
+            with open(args.into, "w") as f:
+                f.write(replace_summary(markdown, table_md))
+        print(table_md)
+    elif args.section:
+        for folder in args.paths:
+            name = os.path.basename(os.path.normpath(folder))
+            print(f"### {name}\n\n(what the run measures, and what it shows)\n\n{section(folder)}")
+    elif args.out:
+        write(merge(args.paths), args.out)
+        print(open(os.path.join(args.out, "table.md")).read())
+    else:
+        parser.error("give --out, --summary or --section")
 
 
 if __name__ == "__main__":
