@@ -287,6 +287,8 @@ def validate(args) -> None:
 
 
 def _check_placement(args) -> None:
+    if args.oppo.frozen_scorers_on == "generation":
+        _check_frozen_beside_vllm(args)
     if not args.oppo.colocate_models:
         return
     if args.train.colocate_all:
@@ -312,8 +314,6 @@ def _check_placement(args) -> None:
             )
     if not args.vllm.num_engines:
         raise OPPOConfigError("--oppo.colocate_models places the vLLM engines apart: set --vllm.num_engines >= 1.")
-    if args.oppo.frozen_scorers_on == "generation":
-        _check_frozen_beside_vllm(args)
 
 
 # vLLM's share of a GPU it shares with the frozen models; the rest holds their weights, KV caches and activations.
@@ -326,7 +326,7 @@ def _check_frozen_beside_vllm(args) -> None:
             "--oppo.frozen_scorers_on generation places the reward and reference models on the vLLM engines' GPUs "
             "of the split placement: add --oppo.colocate_models, or use --oppo.frozen_scorers_on models."
         )
-    engine_gpus = args.vllm.num_engines * args.vllm.tensor_parallel_size
+    engine_gpus = (args.vllm.num_engines or 0) * args.vllm.tensor_parallel_size
     for group in ("reward", "ref"):
         ranks = getattr(args, group).num_nodes * getattr(args, group).num_gpus_per_node
         if ranks != engine_gpus:

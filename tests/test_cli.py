@@ -182,3 +182,53 @@ def test_seed_prompt_order_fixes_the_order_upstream_leaves_to_chance():
     assert seeded[0] == seeded[1] != list(range(64))
     assert _prompt_order("--bench.seed_prompt_order", "--train.seed", "4") != seeded[0]
     assert _prompt_order() != _prompt_order()  # upstream: another order in every process
+
+
+SPLIT_2GPU = [
+    "--actor.model_name_or_path", "m",
+    "--reward.model_name_or_path", "m",
+    "--actor.num_gpus_per_node", "1",
+    "--critic.num_gpus_per_node", "1",
+    "--reward.num_gpus_per_node", "1",
+    "--ref.num_gpus_per_node", "1",
+    "--vllm.num_engines", "1",
+    "--oppo.colocate_models",
+    "--oppo.enable",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, placed",
+    [
+        (["--vllm.gpu_memory_utilization", "0.75"], "generation"),
+        ([], "models"),  # upstream's default 0.95 leaves no room beside the engine
+        (["--vllm.gpu_memory_utilization", "0.75", "--oppo.frozen_scorers_on", "models"], "models"),
+        (["--vllm.gpu_memory_utilization", "0.75", "--oppo.intra_step", "off"], "models"),  # nothing to stream
+    ],
+)
+def test_frozen_scorers_go_beside_vllm_where_they_fit(extra, placed):
+    args = parse_args(SPLIT_2GPU + extra)
+    assert args.oppo.frozen_scorers_on == placed
+    assert args.train.frozen_models_with_vllm == (placed == "generation")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--oppo.frozen_scorers_on", "generation"], "gpu_memory_utilization 0.95"),
+        (
+            ["--oppo.frozen_scorers_on", "generation", "--vllm.gpu_memory_utilization", "0.7",
+             "--reward.num_gpus_per_node", "2"],
+            "one reward rank on each vLLM GPU",
+        ),
+    ],
+)  # fmt: skip
+def test_frozen_scorers_beside_vllm_refuses_what_cannot_work(extra, message):
+    with pytest.raises(OPPOConfigError, match=message):
+        parse_args(SPLIT_2GPU + extra)
+
+
+def test_frozen_scorers_beside_vllm_need_the_split_placement():
+    argv = [a for a in SPLIT_2GPU if a != "--oppo.colocate_models"]
+    with pytest.raises(OPPOConfigError, match="add --oppo.colocate_models"):
+        parse_args(argv + ["--oppo.frozen_scorers_on", "generation", "--vllm.gpu_memory_utilization", "0.7"])

@@ -1,0 +1,62 @@
+"""The coordinator turns a dead or silent actor into one error that names it and what the trainer was doing."""
+
+import time
+
+import pytest
+import ray
+
+from openrlhf_oppo.coordinator import OPPOActorError, StreamCoordinator
+from openrlhf_oppo.testing.cpu_pipeline import ACTOR_CLASSES
+
+
+class _Group:
+    """What the coordinator reads of upstream's ``RayActorGroup``: its actors."""
+
+    def __init__(self, actors):
+        self._actor_handlers = actors
+
+
+@ray.remote
+class _SlowScorer:
+    def oppo_stats(self):
+        time.sleep(60)
+
+
+def test_a_dead_scorer_is_named(ray_session, checkpoints, ppo_args):
+    from openrlhf.utils import get_strategy
+
+    scorer = ACTOR_CLASSES["reward"].remote(1, 0, None, None)
+    ray.get(scorer.init_model_from_pretrained.remote(get_strategy(ppo_args), checkpoints["reward"]))
+    coordinator = StreamCoordinator([], {"reward": _Group([scorer])})
+    coordinator.connect(
+        dict(cache_budget_bytes=1 << 20, temperature=1.0, max_tokens_per_forward=64, max_cached_tokens_per_forward=64),
+        {},
+    )
+    assert coordinator.stats()["reward"][0].waiting == 0
+    ray.kill(scorer)
+    _wait_until_dead(scorer)
+    started = time.time()
+    with pytest.raises(OPPOActorError, match="reward rank 0 died while reading scorer stats"):
+        coordinator.stats()
+    assert time.time() - started < 10
+
+
+def _wait_until_dead(actor):
+    """ray.kill returns at once; calls made before the actor is gone may still be served."""
+    for _ in range(100):
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the actor did not die")
+
+
+def test_a_silent_actor_is_named_after_the_timeout(ray_session):
+    slow = _SlowScorer.remote()
+    coordinator = StreamCoordinator([], {"critic": _Group([slow])}, timeout_s=2)
+    started = time.time()
+    with pytest.raises(OPPOActorError, match=r"critic rank 0 did not answer within 2 s while reading scorer stats"):
+        coordinator.stats()
+    assert time.time() - started < 10
+    ray.kill(slow)
