@@ -96,22 +96,24 @@ def table(results: dict) -> str:
         + (" · OpenRLHF with patches/openrlhf applied" if results.get("upstream_patches") else ""),
         "",
         "| system | step mean (s) | p50 | p90 | generation | make_exp | train | weight sync | other | tokens/s"
-        " | GPU util % | speed-up vs sync | util vs sync |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | GPU util % | busiest GPU busy (s) | step / bound | speed-up vs sync | util vs sync |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, result in systems.items():
         s = result.get("summary") or {}
         if not s:
-            lines.append(f"| {name} | failed (rc {result.get('returncode')}) |" + " |" * 11)
+            lines.append(f"| {name} | failed (rc {result.get('returncode')}) |" + " |" * 13)
             continue
         util = result.get("gpu_utilization", [])
         speedup = f"{base['step_mean_s'] / s['step_mean_s']:.2f}x" if base else "-"
         util_ratio = f"{_mean(util) / base_util:.2f}x" if base_util and util else "-"
+        bound = busiest_gpu_s(s, util)
         lines.append(
             f"| {name} | {s['step_mean_s']:.2f} | {s['step_p50_s']:.2f} | {s['step_p90_s']:.2f}"
             f" | {s['generation_s']:.2f} | {s['make_experience_s']:.2f} | {s['ppo_train_s']:.2f}"
             f" | {s['broadcast_s']:.2f} | {s['other_s']:.2f} | {s['tokens_per_s']:.0f}"
-            f" | {' / '.join(f'{u:.0f}' for u in util) or '-'} | {speedup} | {util_ratio} |"
+            f" | {' / '.join(f'{u:.0f}' for u in util) or '-'} | {_fmt(bound)} | {_ratio(s['step_mean_s'], bound)}"
+            f" | {speedup} | {util_ratio} |"
         )
     oppo = [(n, r["summary"]) for n, r in systems.items() if r.get("summary") and n.startswith("oppo")]
     if oppo:
@@ -121,6 +123,18 @@ def table(results: dict) -> str:
     if max(len(r.get("steps") or []) for r in systems.values()) >= CONVERGENCE_MIN_STEPS:
         lines += ["", *convergence_table(results)]
     return "\n".join(lines) + "\n"
+
+
+def busiest_gpu_s(summary: dict, utilization: list):
+    """The step's bound: seconds per step that the busiest GPU ran kernels (NVML's busy fraction over the
+    measured steps times the mean step). A step cannot be shorter; "step / bound" says how close it came."""
+    if not utilization:
+        return None
+    return max(utilization) / 100 * summary["step_mean_s"]
+
+
+def _ratio(step_s: float, bound) -> str:
+    return f"{step_s / bound:.2f}" if bound else "-"
 
 
 def convergence_table(results: dict) -> list:
