@@ -45,8 +45,9 @@ class ChunkOutbox:
     """Per-destination queues of chunks, sent as one ``oppo_prefill`` call per scoring actor.
 
     Each sequence is given one rank per role when it starts (``assign``), and every chunk of it goes there:
-    the rank pinned for this engine (a frozen scorer on the engine's own GPU), else the rank with the fewest
-    tokens of live sequences, so that the ranks share the prefill work. At most ``calls_in_flight`` calls go
+    the rank pinned for this engine (a frozen scorer on the engine's own GPU), else the least loaded rank,
+    so that the ranks share the prefill work. A rank's load is the tokens it was sent of its live sequences,
+    plus one chunk for each of them (sequences start together, before any token is out). At most ``calls_in_flight`` calls go
     to one actor at a time, so that chunks pile up (and batch better) when it falls behind. Nothing waits for
     the scorers: a sample's last chunk is queued like the others and the sample returns at once; the trainer
     ``flush``es the outbox and collects the scores. While ``held`` (the training phase of inter-step overlap)
@@ -66,18 +67,21 @@ class ChunkOutbox:
         self.calls_in_flight = calls_in_flight
         self.flush_interval_s = flush_interval_s
         self.held = False
-        self._load = {role: [0] * len(ranks) for role, ranks in scorers.items()}  # live tokens per rank
+        self._load = {role: [0] * len(ranks) for role, ranks in scorers.items()}  # per rank, see ``assign``
         self._queues: Dict[tuple, List[Chunk]] = {}
         self._in_flight: Dict[tuple, set] = {}
         self._wake = asyncio.Event()
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
 
-    def assign(self) -> Dict[str, int]:
-        """The rank of each role that will score a new sequence."""
-        return {
+    def assign(self, chunk_size: int) -> Dict[str, int]:
+        """The rank of each role that will score a new sequence (of chunks of ``chunk_size`` tokens)."""
+        ranks = {
             role: self.pinned[role] if role in self.pinned else load.index(min(load))
             for role, load in self._load.items()
         }
+        for role, rank in ranks.items():
+            self._load[role][rank] += chunk_size
+        return ranks
 
     def put(self, chunk: Chunk, ranks: Dict[str, int]) -> None:
         for role, rank in ranks.items():
@@ -85,10 +89,10 @@ class ChunkOutbox:
             self._load[role][rank] += len(chunk.tokens)
         self._wake.set()
 
-    def finished(self, ranks: Dict[str, int], tokens: int) -> None:
+    def finished(self, ranks: Dict[str, int], tokens: int, chunk_size: int) -> None:
         """A sequence of ``tokens`` tokens sent its last chunk: it no longer loads its ranks."""
         for role, rank in ranks.items():
-            self._load[role][rank] -= tokens
+            self._load[role][rank] -= tokens + chunk_size
 
     def hold(self, held: bool) -> None:
         self.held = held
@@ -159,7 +163,7 @@ class SampleStream:
 
     def __post_init__(self):
         if self.outbox is not None:
-            self.ranks = self.outbox.assign()
+            self.ranks = self.outbox.assign(self.chunk_size)
 
     def begin_turn(self, prompt_token_ids: List[int], version: int) -> None:
         """A generate call starts: its prompt extends the sequence (multi-turn agents add feedback)."""
@@ -176,12 +180,13 @@ class SampleStream:
         if self.outbox is not None and len(self.pending) >= self.chunk_size:
             self._emit(final=False)
 
-    def _emit(self, final: bool) -> None:
+    def _emit(self, final: bool, last_of_sample: bool = True) -> None:
         self.outbox.put(Chunk(self.uid, len(self.sent), self.pending, self.prompt_len, final), self.ranks)
         self.sent.extend(self.pending)
         self.pending = []
         if final:
-            self.outbox.finished(self.ranks, len(self.sent))
+            # The sample's ranks keep the chunk reserved at ``assign`` while a replacement stream follows.
+            self.outbox.finished(self.ranks, len(self.sent), self.chunk_size if last_of_sample else 0)
 
     def finish(self, final_tokens: List[int]) -> None:
         """Queue the last chunk: the sequence is exactly ``final_tokens`` (what training sees)."""
@@ -189,7 +194,7 @@ class SampleStream:
         if final_tokens[: len(known)] != known:
             # The sample was edited after generation (truncated, or an agent rewrote it). Close the
             # stream that no longer matches (freeing its caches) and score what training sees, in full.
-            self._emit(final=True)
+            self._emit(final=True, last_of_sample=False)
             self.replaced_uid = self.uid
             self.uid, self.sent = f"{self.uid}-full", []
         self.pending = list(final_tokens[len(self.sent) :])

@@ -204,7 +204,9 @@ class CPUPipeline:
         if with_models:
             paths = dict(policy=actor_path, reference=actor_path, reward=reward_path, critic=reward_path)
             for role, cls in ACTOR_CLASSES.items():
-                self.groups[role] = RayActorGroup(1, ranks, cls, pg=None, num_gpus_per_actor=0)
+                # ``ranks`` "nodes" of one GPU each: a group of several GPUs per node reserves them in a placement
+                # group, which never comes up on a machine without GPUs.
+                self.groups[role] = RayActorGroup(ranks, 1, cls, pg=None, num_gpus_per_actor=0)
             ray.get(
                 [
                     ref
