@@ -160,6 +160,7 @@ def test_rollout_actor_swaps_in_the_worker_extension_only_for_upstreams():
     assert built(worker_extension_cls="my.Wrap") == "my.Wrap"
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize(
     "bucket_bytes,staged",
     [(1, False), (64 << 10, False), (512 << 20, False), (64 << 10, True)],
@@ -191,6 +192,7 @@ def test_bucketed_sync_equals_loading_the_new_weights(engine, weights, group, bu
         assert timings["oppo/weight_sync_pause_s"] == timings["oppo/weight_sync_s"]
 
 
+@pytest.mark.engine
 def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, group, checkpoints):
     """A request decodes while every bucket is staged, with the old weights (its tokens so far are the old
     weights' greedy ones); pause, load the staged weights, resume: it finishes with the new weights (re-
@@ -232,6 +234,7 @@ def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, g
         ray.get(engine.oppo_connect.remote({}, 8, False))
 
 
+@pytest.mark.engine
 def test_patched_upstream_sync_loads_the_new_weights(ray_session, engine, weights, tmp_path):
     """patches/openrlhf/0007: upstream's patched sender, engine call and worker method, against this engine."""
     patched = make_patched_copy(str(tmp_path / "patched"))
