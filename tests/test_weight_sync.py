@@ -194,18 +194,19 @@ def test_bucketed_sync_equals_loading_the_new_weights(engine, weights, group, bu
 
 @pytest.mark.engine
 def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, group, checkpoints):
-    """A request decodes while every bucket is staged, with the old weights (its tokens so far are the old
-    weights' greedy ones); pause, load the staged weights, resume: it finishes with the new weights (re-
-    prefilled, ``clear_cache``), and new requests get them too. The calls are ``update_engines``'s."""
+    """A request decodes while every bucket is staged, with the old weights (its tokens and log-probs so far
+    are the old weights' greedy ones); pause, load the staged weights, resume: it finishes with the new
+    weights (re-prefilled, ``clear_cache``), and new requests get them too. The calls are ``update_engines``'s.
+    """
     tokenizer = AutoTokenizer.from_pretrained(checkpoints["actor"])
     prompt_ids = tokenizer(LONG_PROMPT, add_special_tokens=False)["input_ids"]
-    length = 200
-    old = list(ray.get(engine.generate.remote(prompt_ids, _greedy(length))).outputs[0].token_ids)
-    params = list(weights.model.named_parameters())
+    length, params = 200, list(weights.model.named_parameters())
+    old = _completion(engine, prompt_ids, length)
     buckets = plan_buckets(params, 64 << 10)
     ray.get(engine.oppo_connect.remote({}, 8, True))  # inter-step mode: samples are tracked (oppo_in_flight)
     try:
-        running = engine.generate_responses.remote(LONG_PROMPT, str(length), _greedy(length), 256, tokenizer, 1)
+        greedy = _greedy(length, logprobs=0)
+        running = engine.generate_responses.remote(LONG_PROMPT, str(length), greedy, 256, tokenizer, 1)
         _wait_for(lambda: _in_flight(engine) >= 5)
         for i, bucket in enumerate(buckets):
             before = _in_flight(engine)
@@ -213,20 +214,22 @@ def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, g
             send_bucket([engine], group, bucket, shapes, stage=True, last=i == len(buckets) - 1)
             _wait_for(lambda: _in_flight(engine) > before)  # the engine decodes with buckets staged
         ray.get(engine.oppo_pause.remote(clear_cache=True))
-        time.sleep(0.5)  # outputs computed before the pause are still on their way to the stream
-        done_before = _in_flight(engine)
+        done_before = _settled_in_flight(engine)  # outputs computed before the pause are on their way
         assert done_before < length - 20
         assert ray.get(engine.oppo_load_staged.remote()) == len(params)
         ray.get(engine.oppo_resume.remote(1))
 
         response = ray.get(running)[0]
-        tokens = response["observation_tokens"][len(prompt_ids) :]
-        assert len(tokens) == length and response["oppo"]["last_version"] == 1
-        assert tokens[:done_before] == old[:done_before]  # staging left the live weights alone
-        fresh = ray.get(engine.generate.remote(prompt_ids + tokens[:done_before], _greedy(length - done_before)))
-        assert tokens[done_before:] == list(fresh.outputs[0].token_ids) != old[done_before:]
+        assert len(response["observation_tokens"]) == len(prompt_ids) + length
+        assert response["oppo"]["last_version"] == 1
+        ours = list(zip(response["observation_tokens"], response["rollout_log_probs"]))[len(prompt_ids) :]
+        assert ours[:done_before] == old[:done_before]  # staging left the live weights alone
+        prefix = prompt_ids + [token for token, _ in ours[:done_before]]
+        assert ours[done_before:] == _completion(engine, prefix, length - done_before)  # the new weights
         assert _outputs(engine) == weights.new
         assert ray.get(engine.oppo_load_staged.remote()) == 0  # the staging copy is gone
+        ray.get(engine.load_weights.remote(weights.paths["original"]))
+        assert ours[done_before:] != _completion(engine, prefix, length - done_before)  # not the old ones
     finally:
         ray.get(engine.oppo_drop_staged.remote())
         ray.get(engine.load_weights.remote(weights.paths["original"]))
@@ -250,8 +253,23 @@ def test_patched_upstream_sync_loads_the_new_weights(ray_session, engine, weight
     assert 2 < calls < params  # buckets of 64 KB: several, fewer than the parameters
 
 
+def _completion(engine, prompt_ids, max_tokens):
+    """(token, log-prob) pairs of a greedy completion (the log-probs tell weights apart where tokens agree)."""
+    completion = ray.get(engine.generate.remote(prompt_ids, _greedy(max_tokens, logprobs=0))).outputs[0]
+    return [(token, step[token].logprob) for token, step in zip(completion.token_ids, completion.logprobs)]
+
+
 def _in_flight(engine) -> int:
     return max(ray.get(engine.oppo_in_flight.remote()).values(), default=0)
+
+
+def _settled_in_flight(engine) -> int:
+    """Tokens of the paused request, once no more arrive (the last step's outputs may still be on their way)."""
+    counts = [_in_flight(engine)]
+    while len(counts) < 5 or len(set(counts[-4:])) > 1:
+        time.sleep(0.15)
+        counts.append(_in_flight(engine))
+    return counts[-1]
 
 
 def _wait_for(condition, timeout_s=60.0):
