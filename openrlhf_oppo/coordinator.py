@@ -13,10 +13,12 @@ One step, in call order (``docs/design.md`` draws it):
 4. ``hold``: from the step's end until the next ``release`` chunks only queue (inter-step overlap only).
 5. ``flush`` + ``collect``: the batch's queued chunks sent, every prefill awaited, the scores fetched from
    the rank that holds each sequence (``discard`` for those training dropped).
-6. ``pause`` / ``resume`` around the weight sync, when requests outlive the step.
+6. ``sync_weights``: ``pause`` / ``resume`` around the weight sync, when requests outlive the step (paused
+   only to load the new weights when they were staged while the engines decoded).
 7. ``stats``, ``set_chunk_size``, ``drain_traces`` once a step.
 """
 
+import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import ray
@@ -110,6 +112,31 @@ class StreamCoordinator:
     def resume(self, weight_version: int, resume: bool = True) -> None:
         """Tell the engines the new weight version; ``resume`` restarts paused requests."""
         self._each_engine("oppo_resume", "resuming generation", weight_version=weight_version, resume=resume)
+
+    def sync_weights(self, send_weights, staged: bool, pause: bool, clear_cache: bool, weight_version: int) -> dict:
+        """One weight sync around ``send_weights`` (every policy rank's ``broadcast_to_vllm``, see
+        ``weight_sync.py``), with requests in flight when ``pause``: the engines are paused for the whole sync,
+        or, ``staged``, receive every bucket while they decode and pause only to load it. Every engine learns
+        ``weight_version``. Returns how long the sync took and how long the engines were paused."""
+        staged = staged and pause
+        start = paused_at = time.time()
+        if pause and not staged:
+            self.pause(clear_cache)
+        try:
+            send_weights()
+            if staged:
+                paused_at = time.time()
+                self.pause(clear_cache)
+                self._each_engine("oppo_load_staged", "loading the new weights")
+        except BaseException:
+            if staged:
+                self._each_engine("oppo_drop_staged", "dropping the staged weights")
+            raise
+        finally:
+            # A sleeping engine resumes when it wakes up; it only learns the version here.
+            self.resume(weight_version, resume=pause)
+        end = time.time()
+        return {"oppo/weight_sync_s": end - start, "oppo/weight_sync_pause_s": end - paused_at if pause else 0.0}
 
     def flush(self, infos: Iterable[StreamInfo]) -> None:
         """Send the queued chunks of these sequences now and wait until every prefill call has landed."""

@@ -22,6 +22,7 @@ from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming.chunking import ChunkSizeController
 from openrlhf_oppo.trace import Tracer, write_trace
+from openrlhf_oppo.weight_sync import SyncPlan
 
 logger = init_logger(__name__)
 
@@ -52,6 +53,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         logger.info(describe(self.args))
         self.tracer = Tracer(enabled=oppo.trace_dir is not None, process="trainer")
         self.policy_version = 0
+        self.weight_sync_metrics = {}
         self.chunk_controller = ChunkSizeController(fixed=None if oppo.chunk_size == "auto" else oppo.chunk_size)
         groups = dict(
             policy=actor_model_group,
@@ -180,6 +182,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     def _oppo_metrics(self, status) -> dict:
         metrics = dict(getattr(self.experience_maker, "metrics", {}))
         metrics.update(getattr(self.samples_generator, "metrics", {}))
+        metrics.update(self.weight_sync_metrics)  # this step's sync (inside upstream's train_step)
         if isinstance(self.samples_generator, OvercommitSamplesGenerator):
             self.samples_generator.record_reward(status["rollout/reward_mean"])
         if self.coordinator.roles:
@@ -208,18 +211,18 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             return super().ppo_train(global_steps)
 
     def broadcast_to_vllm(self) -> None:
-        """Upstream's weight sync; with requests in flight, paused around it (``--oppo.carry_kv``)."""
+        """Upstream's weight sync, in buckets (``weight_sync.py``); with requests in flight the engines pause
+        around it, or only to load the new weights that they received while decoding (``--oppo.weight_sync``)."""
         oppo = self.args.oppo
         self.policy_version += 1
-        pause = oppo.inter_step and not self.args.vllm.enable_sleep
         with self.tracer.span("weight_sync", track="trainer"):
-            if pause:
-                self.coordinator.pause(clear_cache=oppo.carry_kv == "recompute")
-            try:
-                super().broadcast_to_vllm()
-            finally:
-                # A sleeping engine resumes when it wakes up; it only learns the version here.
-                self.coordinator.resume(self.policy_version, resume=pause)
+            self.weight_sync_metrics = self.coordinator.sync_weights(
+                super().broadcast_to_vllm,
+                staged=SyncPlan.from_args(self.args).staged,
+                pause=oppo.inter_step and not self.args.vllm.enable_sleep,
+                clear_cache=oppo.carry_kv == "recompute",
+                weight_version=self.policy_version,
+            )
 
     # -- checkpoints ------------------------------------------------------------------------------------
 

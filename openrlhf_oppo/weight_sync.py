@@ -18,7 +18,7 @@ Each bucket is either loaded as it arrives (the engines are paused for the whole
 * paused: the engines pause before the first bucket; each bucket is loaded on arrival (one bucket of
   extra memory).
 
-The call sequence of one sync (``update_engines`` is the trainer's side), staged::
+The call sequence of one sync (``StreamCoordinator.sync_weights`` is the trainer's side), staged::
 
     trainer:       ray.get(actor_group.async_run_method("broadcast_to_vllm"))   # every policy rank
     policy ranks:  WeightSyncPolicyMixin.broadcast_to_vllm -> broadcast_to_vllm(self.trainer, plan):
@@ -30,16 +30,15 @@ and paused: ``oppo_pause`` first, the same broadcast with ``stage=False``, then 
 """
 
 import math
-import time
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import ray
 import torch
-from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
-DEFAULT_BUCKET_MB = 512
+from openrlhf_oppo.config import SYNC_BUCKET_MB as DEFAULT_BUCKET_MB
+
 UPSTREAM_WORKER_WRAP = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
 
 
@@ -202,39 +201,6 @@ class WeightSyncPolicyMixin:
         if plan.bucket_bytes == 0:
             return super().broadcast_to_vllm()
         broadcast_to_vllm(self.trainer, plan)
-
-
-# -- the trainer's side ----------------------------------------------------------------------------------
-
-
-def update_engines(engines, send_weights, plan: SyncPlan, pause: bool, clear_cache: bool, weight_version: int) -> dict:
-    """One weight sync as the trainer runs it around ``send_weights`` (which runs every policy rank's
-    ``broadcast_to_vllm`` and returns when rank 0 has sent the last bucket).
-
-    ``pause``: requests are in flight (inter-step overlap); the engines are paused for the whole sync, or,
-    staged, only to load. ``clear_cache``: paused requests re-prefill with the new weights (``--oppo.carry_kv
-    recompute``). Every engine learns ``weight_version``. Returns how long the sync took and how long the
-    engines were paused.
-    """
-    staged = plan.staged and pause
-    start = paused_at = time.time()
-    if pause and not staged:
-        batch_vllm_engine_call(engines, "oppo_pause", clear_cache=clear_cache)
-    try:
-        send_weights()
-        if staged:
-            paused_at = time.time()
-            batch_vllm_engine_call(engines, "oppo_pause", clear_cache=clear_cache)
-            batch_vllm_engine_call(engines, "oppo_load_staged")
-    except BaseException:
-        if staged:
-            batch_vllm_engine_call(engines, "oppo_drop_staged")
-        raise
-    finally:
-        # A sleeping engine resumes when it wakes up; it only learns the version here.
-        batch_vllm_engine_call(engines, "oppo_resume", weight_version=weight_version, resume=pause)
-    end = time.time()
-    return {"oppo/weight_sync_s": end - start, "oppo/weight_sync_pause_s": end - paused_at if pause else 0.0}
 
 
 # -- the engines' side -------------------------------------------------------------------------------

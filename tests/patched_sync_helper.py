@@ -74,7 +74,7 @@ def main(ray_address, patched, actor_path, new_weights, bucket_mb):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from openrlhf_oppo.cpu_pipeline import GlooGroup, use_cpu_for_cuda_calls
+    from openrlhf_oppo.testing.cpu_pipeline import GlooGroup, use_cpu_for_cuda_calls
 
     assert openrlhf.__file__.startswith(patched), openrlhf.__file__
     use_cpu_for_cuda_calls()

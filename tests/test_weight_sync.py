@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm import SamplingParams
 
 from openrlhf_oppo.bench.patched_upstream import make_patched_copy
-from openrlhf_oppo.cpu_pipeline import GlooGroup
+from openrlhf_oppo.coordinator import StreamCoordinator
+from openrlhf_oppo.testing.cpu_pipeline import STREAM_SETTINGS, GlooGroup
 from openrlhf_oppo.weight_sync import (
     SyncPlan,
     WeightSyncRolloutMixin,
@@ -30,7 +31,6 @@ from openrlhf_oppo.weight_sync import (
     plan_buckets,
     send_bucket,
     unflatten,
-    update_engines,
 )
 
 PROMPTS = [[5, 17, 33, 2, 90], [400, 401, 7], [1000, 3, 3, 3, 12, 64, 9]]
@@ -167,14 +167,16 @@ def test_rollout_actor_swaps_in_the_worker_extension_only_for_upstreams():
     ids=["per-tensor", "64KB", "512MB", "64KB-staged"],
 )
 def test_bucketed_sync_equals_loading_the_new_weights(engine, weights, group, bucket_bytes, staged):
-    """The trainer's sequence (``update_engines``) around the policy's ``broadcast_to_vllm``: paused with
+    """The trainer's sequence (``StreamCoordinator.sync_weights``) around the policy's ``broadcast_to_vllm``: paused with
     each bucket loaded on arrival, or staged and loaded at once."""
     plan = SyncPlan(bucket_bytes, staged=staged)
     trainer = _trainer(weights.model, engine, group)
     buckets = []
     try:
         send = lambda: buckets.append(broadcast_to_vllm(trainer, plan))  # noqa: E731
-        timings = update_engines([engine], send, plan, pause=True, clear_cache=True, weight_version=1)
+        timings = StreamCoordinator([engine], {}).sync_weights(
+            send, plan.staged, pause=True, clear_cache=True, weight_version=1
+        )
         assert _outputs(engine) == weights.new
     finally:
         ray.get(engine.oppo_drop_staged.remote())
@@ -196,14 +198,15 @@ def test_bucketed_sync_equals_loading_the_new_weights(engine, weights, group, bu
 def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, group, checkpoints):
     """A request decodes while every bucket is staged, with the old weights (its tokens and log-probs so far
     are the old weights' greedy ones); pause, load the staged weights, resume: it finishes with the new
-    weights (re-prefilled, ``clear_cache``), and new requests get them too. The calls are ``update_engines``'s.
+    weights (re-prefilled, ``clear_cache``), and new requests get them too. The calls are ``StreamCoordinator.sync_weights``'s.
     """
     tokenizer = AutoTokenizer.from_pretrained(checkpoints["actor"])
     prompt_ids = tokenizer(LONG_PROMPT, add_special_tokens=False)["input_ids"]
     length, params = 200, list(weights.model.named_parameters())
     old = _completion(engine, prompt_ids, length)
     buckets = plan_buckets(params, 64 << 10)
-    ray.get(engine.oppo_connect.remote({}, 8, True))  # inter-step mode: samples are tracked (oppo_in_flight)
+    coordinator = StreamCoordinator([engine], {})
+    coordinator.connect({}, dict(STREAM_SETTINGS, chunk_size=8, salt_prompts=True))  # inter-step: samples tracked
     try:
         greedy = _greedy(length, logprobs=0)
         running = engine.generate_responses.remote(LONG_PROMPT, str(length), greedy, 256, tokenizer, 1)
@@ -213,15 +216,15 @@ def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, g
             shapes = [tuple(param.shape) for _, param in bucket]
             send_bucket([engine], group, bucket, shapes, stage=True, last=i == len(buckets) - 1)
             _wait_for(lambda: _in_flight(engine) > before)  # the engine decodes with buckets staged
-        ray.get(engine.oppo_pause.remote(clear_cache=True))
+        coordinator.pause(clear_cache=True)
         done_before = _settled_in_flight(engine)  # outputs computed before the pause are on their way
         assert done_before < length - 20
         assert ray.get(engine.oppo_load_staged.remote()) == len(params)
-        ray.get(engine.oppo_resume.remote(1))
+        coordinator.resume(1)
 
         response = ray.get(running)[0]
         assert len(response["observation_tokens"]) == len(prompt_ids) + length
-        assert response["oppo"]["last_version"] == 1
+        assert response["stream_info"].last_version == 1
         ours = list(zip(response["observation_tokens"], response["rollout_log_probs"]))[len(prompt_ids) :]
         assert ours[:done_before] == old[:done_before]  # staging left the live weights alone
         prefix = prompt_ids + [token for token, _ in ours[:done_before]]
@@ -233,8 +236,8 @@ def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, g
     finally:
         ray.get(engine.oppo_drop_staged.remote())
         ray.get(engine.load_weights.remote(weights.paths["original"]))
-        ray.get(engine.oppo_resume.remote(0))
-        ray.get(engine.oppo_connect.remote({}, 8, False))
+        coordinator.resume(0)
+        coordinator.connect({}, dict(STREAM_SETTINGS, chunk_size=8, salt_prompts=False))
 
 
 @pytest.mark.engine

@@ -9,7 +9,7 @@ rank 0 of a gloo group with the engine's worker, and sends new weights with ``op
 * ``staged_<N>mb``: the same buckets staged while the engine runs, then pause, one load, resume
   (``--oppo.weight_sync staged``).
 
-Each sync is ``weight_sync.update_engines`` (the trainer's side) around ``broadcast_to_vllm`` (the policy's).
+Each sync is ``StreamCoordinator.sync_weights`` (the trainer's side) around ``broadcast_to_vllm`` (the policy's).
 The engine is paused for the whole sync except when staged, where only the load is paused: ``paused_s``.
 Prints, per method, the engine calls and the wall time of a sync (median and min over ``--repeats``), checks
 that the engine then generates the same greedy tokens whatever the method, and writes the raw figures to
@@ -36,8 +36,10 @@ import torch
 from transformers import AutoModelForCausalLM
 from vllm import SamplingParams
 
-from openrlhf_oppo import cpu_pipeline, tiny
-from openrlhf_oppo.weight_sync import SyncPlan, broadcast_to_vllm, plan_buckets, update_engines
+from openrlhf_oppo import tiny
+from openrlhf_oppo.testing import cpu_pipeline
+from openrlhf_oppo.coordinator import StreamCoordinator
+from openrlhf_oppo.weight_sync import SyncPlan, broadcast_to_vllm, plan_buckets
 
 
 def free_port() -> int:
@@ -55,10 +57,9 @@ def sync_once(trainer, engine, bucket_bytes: int, staged: bool) -> dict:
     """One sync as OPPO's trainer runs it, with requests in flight; its wall time, pause and engine calls."""
     plan = SyncPlan(bucket_bytes, staged=staged)
     buckets = []
-    timings = update_engines(
-        [engine],
+    timings = StreamCoordinator([engine], {}).sync_weights(
         lambda: buckets.append(broadcast_to_vllm(trainer, plan)),
-        plan,
+        plan.staged,
         pause=True,
         clear_cache=True,
         weight_version=1,

@@ -19,6 +19,7 @@ from openrlhf.trainer.ray.ppo_critic import CriticModelActor
 from openrlhf_oppo.protocol import Chunk, ScorerStats
 from openrlhf_oppo.streaming.scorer import ChunkScorer, unwrap_model
 from openrlhf_oppo.trace import Tracer
+from openrlhf_oppo.weight_sync import WeightSyncPolicyMixin
 
 
 class StreamingScorerMixin:
@@ -146,7 +147,7 @@ class StreamingCriticModelActor(_TrainableScorerMixin, CriticModelActor.__ray_ac
         return self.critic
 
 
-class StreamingPolicyModelActor(_TrainableScorerMixin, PolicyModelActor.__ray_actor_class__):
+class StreamingPolicyModelActor(WeightSyncPolicyMixin, _TrainableScorerMixin, PolicyModelActor.__ray_actor_class__):
     def oppo_model(self):
         return self.actor
 
