@@ -379,7 +379,6 @@ def _check_oppo(args) -> None:
         )
     if _streams(args):
         unsupported = {
-            "--ds.zero_stage 3 (parameters are sharded, one rank cannot prefill alone)": args.ds.zero_stage == 3,
             "--ds.ring_attn_size > 1": args.ds.ring_attn_size > 1,
             "--ds.tensor_parallel_size > 1": args.ds.tensor_parallel_size > 1,
             "--ds.lora.rank > 0": args.ds.lora.rank > 0,

@@ -111,7 +111,7 @@ def test_help_quotes_no_benchmark_results(help_text):
     [
         (["--oppo.chunk_size", "32"], "given without --oppo.enable"),
         (["--oppo.enable", "--train.async_enable"], "--train.async_enable is not supported"),
-        (["--oppo.enable", "--ds.zero_stage", "3"], "--ds.zero_stage 3"),
+        (["--oppo.enable", "--ds.ring_attn_size", "2", "--ds.packing_samples"], "--ds.ring_attn_size"),
         (["--oppo.enable", "--ds.lora.rank", "8"], "--ds.lora.rank"),
         (["--oppo.enable", "--train.colocate_all", "--vllm.enable_sleep", "--oppo.carry_kv", "keep"], "carry_kv"),
         (["--oppo.enable", "--oppo.overcommit_min", "5", "--oppo.overcommit_max", "2"], "overcommit_min"),
@@ -137,6 +137,7 @@ def test_bad_values_are_refused_by_the_parser(flag, value, capsys):
     "extra, streamed",
     [
         ([], ["policy", "critic", "reward", "reference"]),
+        (["--ds.zero_stage", "3"], ["policy", "critic", "reward", "reference"]),  # on full copies (zero3.py)
         (["--train.colocate_all"], []),  # auto: off where vLLM shares the GPUs
         (["--train.colocate_all", "--oppo.intra_step", "on"], ["critic", "reward", "reference"]),
         (["--reward.remote_url", "http://localhost:1/rm"], ["policy", "critic", "reference"]),

@@ -5,6 +5,7 @@ the trainer's ``StreamCoordinator``) on top of a ``ChunkScorer`` over the actor'
 changes: upstream's ``forward`` still serves whatever was not streamed. The critic and the policy train
 every step, so their ``fit`` bumps the scorer's weight version: sequences still streaming re-prefill under
 the new weights, and finished scores computed with old weights are recomputed before they are collected.
+Under ZeRO-3 the scorer runs on a full copy of the weights, gathered again after each ``fit`` (``zero3.py``).
 
 Finished scores wait in ``oppo_finished`` until the trainer collects them, or discards those that training
 will never ask for (``oppo_discard``).
@@ -18,6 +19,7 @@ from openrlhf.trainer.ray.ppo_critic import CriticModelActor
 
 from openrlhf_oppo.protocol import Chunk, ScorerStats
 from openrlhf_oppo.streaming.scorer import ChunkScorer, unwrap_model
+from openrlhf_oppo.streaming.zero3 import InferenceCopy, is_partitioned
 from openrlhf_oppo.trace import Tracer
 from openrlhf_oppo.weight_sync import WeightSyncPolicyMixin
 
@@ -26,6 +28,7 @@ class StreamingScorerMixin:
     """The ``oppo_*`` methods of a scoring actor. Subclasses say which module scores."""
 
     oppo_scorer: ChunkScorer = None
+    oppo_copy: InferenceCopy = None  # the weights the scorer runs on, under ZeRO-3
 
     def oppo_model(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -41,8 +44,11 @@ class StreamingScorerMixin:
     ) -> None:
         """Build the scorer (after ``init_model_from_pretrained``)."""
         self.oppo_role = role
+        model = unwrap_model(self.oppo_model())
+        # Under ZeRO-3 one rank cannot run a forward alone: stream on a full copy of the weights.
+        self.oppo_copy = InferenceCopy(model, role) if is_partitioned(model) else None
         self.oppo_scorer = ChunkScorer(
-            unwrap_model(self.oppo_model()),
+            model if self.oppo_copy is None else self.oppo_copy.module,
             role,
             cache_budget_bytes=cache_budget_bytes,
             temperature=temperature,
@@ -128,6 +134,8 @@ class _TrainableScorerMixin(StreamingScorerMixin):
     def fit(self, *args, **kwargs):
         status = super().fit(*args, **kwargs)
         if self.oppo_scorer is not None:
+            if self.oppo_copy is not None:
+                self.oppo_copy.refresh()  # fit runs on every rank of the model: the gathers line up
             self.oppo_scorer.bump_version()
         return status
 

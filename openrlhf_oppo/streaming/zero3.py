@@ -1,0 +1,106 @@
+"""A plain copy of a ZeRO-3 model's full weights, for streamed prefill.
+
+Under ZeRO-3 (``--ds.zero_stage 3``) each rank holds a shard of every parameter, and DeepSpeed's forward
+hooks all-gather each layer's parameters from every rank of the model: all ranks must run the same
+forwards together. The ranks of a scoring model stream different sequences at different times, so their
+``ChunkScorer`` runs on an ``InferenceCopy`` instead: a module of the same class with the full weights and
+no DeepSpeed hooks, whose forward is local to the rank. It is gathered once per weight version, when
+streaming is set up and after each ``fit`` of the policy and the critic: upstream calls both on every rank
+of the model together, so the all-gathers line up there.
+
+Memory: one full copy of the weights on every rank, beside the rank's shard (``2 * parameters`` bytes in
+bf16: about 15 GB for a 7B model), on the GPU even where ``--ref.offload``/``--reward.offload`` keep the
+shards on the CPU. Gathering copies one parameter at a time, so it needs no more than one gathered parameter
+on top of the copy.
+"""
+
+import copy
+import itertools
+import time
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from openrlhf.utils.logging_utils import init_logger
+
+logger = init_logger(__name__)
+
+
+def is_partitioned(model: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 shards ``model``'s parameters (it tags each one with a ``ds_id``)."""
+    return any(hasattr(parameter, "ds_id") for parameter in model.parameters())
+
+
+class InferenceCopy:
+    """The full weights of a ZeRO-3 module, in a plain module of the same class on this rank's device.
+
+    Works for any module that its class builds from its ``config`` alone: Hugging Face causal LMs (the
+    policy and the reference) and the value-head models of ``get_llm_for_sequence_regression`` (the
+    critic and the reward model). Buffers (``mean``/``std``, rotary frequencies) are not sharded by ZeRO-3
+    and are copied as they are.
+
+    Args:
+        source: the module whose parameters ZeRO-3 shards (the DeepSpeed engine's ``module``).
+        name: what the log line calls it.
+    """
+
+    def __init__(self, source: torch.nn.Module, name: str = "model"):
+        self.source = source
+        started = time.perf_counter()
+        device = torch.device(get_accelerator().current_device_name())
+        self.module = _empty_copy(source, device)
+        self.refresh()
+        logger.info(
+            f"ZeRO-3: streamed prefill of the {name} runs on a full copy of its weights: "
+            f"{self.nbytes() / 2**30:.2f} GiB on {device}, gathered in {time.perf_counter() - started:.1f} s"
+        )
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the source's current weights in. A collective: every rank of the model must call it."""
+        targets = dict(self.module.named_parameters())
+        for name, parameter in self.source.named_parameters():  # the same order on every rank
+            with deepspeed.zero.GatheredParameters([parameter]):
+                targets[name].copy_(parameter)
+        targets = dict(self.module.named_buffers())
+        for name, buffer in self.source.named_buffers():
+            targets[name].copy_(buffer)
+
+    def nbytes(self) -> int:
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _empty_copy(source: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A module of ``source``'s class, built on the meta device (no memory, no init), then given uninitialised
+    tensors of each source parameter's full shape and dtype. Parameters shared in the source (tied embeddings)
+    stay shared."""
+    with torch.device("meta"):
+        module = type(source)(copy.deepcopy(source.config))
+    module.requires_grad_(False)
+    made = {}  # id(source tensor) -> its copy
+
+    def empty_like(tensor, shape, parameter):
+        if id(tensor) not in made:
+            empty = torch.empty(shape, dtype=tensor.dtype, device=device)
+            made[id(tensor)] = torch.nn.Parameter(empty, requires_grad=False) if parameter else empty
+        return made[id(tensor)]
+
+    originals = list(source.named_modules(remove_duplicate=False))
+    targets = list(module.named_modules(remove_duplicate=False))
+    if [path for path, _ in originals] != [path for path, _ in targets]:
+        raise RuntimeError(f"{type(source).__name__} built from its config has other modules than the loaded model")
+    for (_, original), (_, target) in zip(originals, targets):
+        for name, parameter in original._parameters.items():
+            if parameter is not None:
+                shape = getattr(parameter, "ds_shape", parameter.shape)  # ZeRO-3 keeps the full shape there
+                target._parameters[name] = empty_like(parameter, shape, parameter=True)
+        for name, buffer in original._buffers.items():
+            if buffer is not None:
+                target._buffers[name] = empty_like(buffer, buffer.shape, parameter=False)
+        for name, value in vars(target).items():  # tensors kept as plain attributes
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                setattr(target, name, getattr(original, name).to(device, copy=True))
+    if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())) or is_partitioned(module):
+        raise RuntimeError(f"could not build a plain copy of {type(source).__name__} from its config")
+    return module.eval()
