@@ -93,4 +93,4 @@ def test_readme_quick_start_parses(fake_python):
     env = dict(os.environ, PATH=f"{fake_python}:{os.environ['PATH']}")
     result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "parsed True ['reward', 'critic', 'ref', 'actor']" in result.stdout
+    assert "parsed True ['policy', 'critic', 'reward', 'reference']" in result.stdout

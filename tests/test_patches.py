@@ -66,7 +66,7 @@ def test_upstream_cli_loads_oppo_as_an_extension(patched):
         """,
     )
     assert "trainer OPPOTrainer" in out and "rollout OPPORolloutActor" in out
-    assert "colocate_models True" in out and "'reward', 'critic', 'ref', 'actor'" in out
+    assert "colocate_models True" in out and "'policy', 'critic', 'reward', 'reference'" in out
 
 
 def test_oppo_wrapper_works_with_the_patches(patched):
