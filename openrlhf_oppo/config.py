@@ -10,7 +10,8 @@ overcommit bounds, ...) in ``args.oppo`` so that every process reads the same pl
 import argparse
 import math
 
-# --vllm.sync_bucket_mb's default (patches/openrlhf/0007 takes the same): large enough for a few calls a sync.
+# The policy reaches the engines in buckets of this many MB; patches/openrlhf/0007's --vllm.sync_bucket_mb
+# (same default) sets it where the patch is applied.
 SYNC_BUCKET_MB = 512
 
 
@@ -219,8 +220,9 @@ OPTIONS = {
             help="How carried requests meet the weight sync. 'staged': every engine receives the new weights "
             "into a staging copy while it keeps decoding, then pauses only to load them (one extra copy of the "
             "policy's weights on each vLLM GPU, outside --vllm.gpu_memory_utilization). 'paused': the engines "
-            "pause for the whole sync and load each bucket as it arrives. Logged as oppo/weight_sync_s and "
-            "oppo/weight_sync_pause_s.",
+            "pause for the whole sync and load each bucket as it arrives. Either way the weights go in buckets of "
+            "512 MB (--vllm.sync_bucket_mb where patches/openrlhf/0007 is applied). Logged as oppo/weight_sync_s "
+            "and oppo/weight_sync_pause_s.",
         ),
         "staged",
     ),
@@ -263,16 +265,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if "choices" not in kwargs:
                 kwargs.setdefault("metavar", getattr(kwargs.get("type"), "metavar", None))
         group.add_argument(f"--oppo.{name}", **kwargs)
-    if "--vllm.sync_bucket_mb" not in parser._option_string_actions:  # patches/openrlhf/0007 defines it upstream
-        group.add_argument(
-            "--vllm.sync_bucket_mb",
-            type=_bounded(int, "--vllm.sync_bucket_mb", 0),
-            default=SYNC_BUCKET_MB,
-            metavar="MB",
-            help="The policy reaches the vLLM engines in flat buckets of at most this many MB, one call and one "
-            "broadcast a bucket; 0 sends parameter by parameter, as OpenRLHF 0.11 does. With OPPO on. Default: "
-            f"{SYNC_BUCKET_MB}.",
-        )
     bench = parser.add_argument_group("Benchmark workload", "Workload controls used by python -m openrlhf_oppo.bench.")
     for name, kwargs in BENCH_OPTIONS.items():
         bench.add_argument(f"--bench.{name}", **dict(kwargs, help=_with_default(kwargs["help"], kwargs["default"])))

@@ -51,7 +51,7 @@ class SyncPlan:
 
     @classmethod
     def from_args(cls, args) -> "SyncPlan":
-        """``--vllm.sync_bucket_mb`` (patch 0007's flag, or OPPO's where upstream lacks it) and
+        """``--vllm.sync_bucket_mb`` (patch 0007's flag; 512 MB where upstream lacks it) and
         ``--oppo.weight_sync staged|paused``. Staging pays only where the engines decode through the sync:
         carried requests (inter-step overlap), engines awake and on GPUs of their own."""
         bucket_mb = getattr(args.vllm, "sync_bucket_mb", DEFAULT_BUCKET_MB)
