@@ -219,12 +219,17 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     # -- checkpoints and traces ---------------------------------------------------------------------
 
     def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
+        if client_states is not None:
+            # Upstream saves the episode its loop is in. After the step that ends it, the dataloader's state
+            # starts the next epoch, so a resume must start the next episode too, or the epoch trains twice.
+            client_states["episode"] = self.samples_generator.episodes_done
         if client_states is not None and isinstance(self.samples_generator, OvercommitSamplesGenerator):
             client_states["oppo_carry"] = self.samples_generator.state_dict()
         super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
 
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
+        self.samples_generator.episodes_done = states["episode"]
         if "oppo_carry" in states and isinstance(self.samples_generator, OvercommitSamplesGenerator):
             self.samples_generator.load_state_dict(states["oppo_carry"])
         return states
