@@ -250,12 +250,17 @@ def _waiting_scores(stats: dict) -> dict:
 
     Samples of carried groups wait there until a later step trains them; a count that grows step after
     step is a leak. ``score_tombstones``: discarded sequences whose last chunk had not landed yet.
+    ``cached_bytes``: the KV cache held for streamed sequences (bounded by ``--oppo.cache_budget_gb``).
     """
 
     def most(key):
         return float(max(sum(rank[key] for rank in ranks) for ranks in stats.values()))
 
-    return {"oppo/scores_waiting": most("waiting"), "oppo/score_tombstones": most("tombstones")}
+    return {
+        "oppo/scores_waiting": most("waiting"),
+        "oppo/score_tombstones": most("tombstones"),
+        "oppo/cached_bytes": most("cached_bytes"),
+    }
 
 
 OPPOTrainerRayActor = ray.remote(OPPOTrainer)
