@@ -21,6 +21,7 @@ from openrlhf_oppo import cpu_pipeline, tiny
 pytestmark = pytest.mark.engine
 
 N_SAMPLES = 2
+OVERCOMMIT = ["--oppo.overcommit", "2", "--oppo.max_defer_steps", "1"]
 
 
 def _recording_trainer(path):
@@ -51,7 +52,7 @@ def _train(workdir, prompts, checkpoints, policy, engine, record, *extra):
         "--algo.advantage.estimator", "reinforce",
         "--algo.kl.init_coef", "0",
         "--train.agent_func_path", "grading_engine.py",  # the engine's agent gives the rewards
-        "--oppo.enable", "--oppo.overcommit", "2", "--oppo.max_defer_steps", "1", "--oppo.intra_step", "off",
+        "--oppo.enable", "--oppo.intra_step", "off",
         *extra,
     )  # fmt: skip
     pipeline = cpu_pipeline.CPUPipeline(args, checkpoints["actor"], checkpoints["reward"], [engine], with_models=False)
@@ -78,6 +79,25 @@ def _groups(steps):
     return [prompt for samples in steps for prompt in samples[::N_SAMPLES]]
 
 
+def _assert_once_an_episode(steps, prompts, where):
+    """Each prompt once in the first episode's steps, then once in the second's."""
+    trained = _groups(steps)
+    first, second = trained[: len(prompts)], trained[len(prompts) :]
+    assert Counter(first) == Counter(second) == Counter(prompts), where
+    bounds = {len(_groups(steps[:i])) for i in range(len(steps) + 1)}
+    assert len(prompts) in bounds, f"{where}: a step mixes the two episodes"
+
+
+def _checkpoints(tmp_path, steps):
+    folder = tmp_path / "ckpt" / "_actor"
+    return [torch.load(folder / f"global_step{step}.pt", weights_only=False) for step in range(1, steps + 1)]
+
+
+def _resume_from(tmp_path, train, step, *flags):
+    (tmp_path / "ckpt" / "_actor" / "latest").write_text(f"global_step{step}")
+    return train(tmp_path / f"resumed-{step}.jsonl", *flags, "--ckpt.load_enable", "--ckpt.save_steps", "-1")
+
+
 def test_resume_from_every_checkpoint_trains_every_prompt_once_an_episode(
     checkpoints, grading_engine, policy, tmp_path
 ):
@@ -85,24 +105,30 @@ def test_resume_from_every_checkpoint_trains_every_prompt_once_an_episode(
     tiny.write_prompts(prompts, [3, 5, 4, 3, 5], seed=11)
     everyone = [json.loads(line)["input"] for line in open(prompts)]
     train = functools.partial(_train, tmp_path, prompts, checkpoints, policy, grading_engine)
-    full = train(tmp_path / "full.jsonl", "--ckpt.save_steps", "1")
-    assert Counter(_groups(full)) == {prompt: 2 for prompt in everyone}
+    full = train(tmp_path / "full.jsonl", *OVERCOMMIT, "--ckpt.save_steps", "1")
+    _assert_once_an_episode(full, everyone, "the run")
 
-    ckpt = tmp_path / "ckpt" / "_actor"
-    states = [torch.load(ckpt / f"global_step{step}.pt", weights_only=False) for step in range(1, len(full) + 1)]
+    states = _checkpoints(tmp_path, len(full))
     # 5 prompts, B=2, Delta=2: the second step of an episode draws the last prompt and runs the dataloader out
     # with a group carried; the third trains that group and ends the episode.
     assert [s["oppo_carry"]["loader_exhausted"] for s in states] == [False, True, False] * 2
     assert [len(s["oppo_carry"]["carried"]) for s in states] == [2, 1, 0] * 2
     assert [s["episode"] for s in states] == [0, 0, 1, 1, 1, 2]  # where each resumes
-
     for step in range(1, len(full) + 1):
-        (ckpt / "latest").write_text(f"global_step{step}")
-        record = tmp_path / f"resumed-{step}.jsonl"
-        resumed = train(record, "--ckpt.load_enable", "--ckpt.save_steps", "-1")
-        steps = full[:step] + resumed
-        trained = _groups(steps)
-        first, second = trained[: len(everyone)], trained[len(everyone) :]
-        assert Counter(first) == Counter(second) == Counter(everyone), f"resumed from step {step}"
-        bounds = {len(_groups(steps[:i])) for i in range(len(steps) + 1)}
-        assert len(everyone) in bounds, f"resumed from step {step}: a step mixes the two episodes"
+        resumed = _resume_from(tmp_path, train, step, *OVERCOMMIT)
+        _assert_once_an_episode(full[:step] + resumed, everyone, f"resumed from step {step}")
+
+
+def test_without_overcommit_the_checkpoint_of_an_episodes_end_resumes_the_next(
+    checkpoints, grading_engine, policy, tmp_path
+):
+    """``--oppo.overcommit 0`` (upstream's samples generator): 3 prompts, B=2, the second step of an episode
+    runs the dataloader out and ends the episode; its checkpoint resumes in the next episode."""
+    prompts = str(tmp_path / "prompts.jsonl")
+    tiny.write_prompts(prompts, [3, 5, 3], seed=12)
+    everyone = [json.loads(line)["input"] for line in open(prompts)]
+    train = functools.partial(_train, tmp_path, prompts, checkpoints, policy, grading_engine)
+    full = train(tmp_path / "full.jsonl", "--oppo.overcommit", "0", "--ckpt.save_steps", "1")
+    assert [s["episode"] for s in _checkpoints(tmp_path, len(full))] == [0, 1, 1, 2]
+    resumed = _resume_from(tmp_path, train, 2, "--oppo.overcommit", "0")
+    _assert_once_an_episode(full[:2] + resumed, everyone, "resumed from step 2")
