@@ -1,6 +1,7 @@
 """patches/openrlhf: they apply, in order, to the installed OpenRLHF 0.11.2; with them applied, upstream's
 own train_ppo_ray loads OPPO as an extension, OPPO's wrapper keeps working, and the fixes do what they
-say (prompt order seeded, tokenizer sent once, advantages equal bit for bit)."""
+say (prompt order seeded, tokenizer sent once, advantages equal bit for bit, a checkpoint of an episode's
+last step resumes in the next episode)."""
 
 import json
 import subprocess
