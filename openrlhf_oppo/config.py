@@ -9,6 +9,7 @@ overcommit bounds, ...) in ``args.oppo`` so that every process reads the same pl
 
 import argparse
 import math
+import os
 
 # The policy reaches the engines in buckets of this many MB; patches/openrlhf/0007's --vllm.sync_bucket_mb
 # (same default) sets it where the patch is applied.
@@ -41,6 +42,8 @@ def _bounded(kind, name, minimum):
             number = kind(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} takes a {kind.__name__}, got {value!r}")
+        if not math.isfinite(number):
+            raise argparse.ArgumentTypeError(f"{name} takes a finite number, got {value!r}")
         if number < minimum:
             raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {number}")
         return number
@@ -297,6 +300,8 @@ def validate(args) -> None:
     if oppo.enable:
         _check_oppo(args)
         _resolve_plan(args)
+        _check_streaming_plan(args, given)
+        _check_overcommit_plan(args, given)
     else:
         oppo.streamed_roles, oppo.inter_step, oppo.frozen_scorers_on = [], False, "models"
     print(f"[openrlhf-oppo] {describe(args)}", flush=True)
@@ -398,6 +403,8 @@ def _check_oppo(args) -> None:
             f"--oppo.overcommit_rule {oppo.overcommit_rule} moves Delta under --oppo.overcommit auto, but "
             f"--oppo.overcommit {oppo.overcommit} fixes it: use --oppo.overcommit auto or drop the rule."
         )
+    if oppo.trace_dir is not None and os.path.exists(oppo.trace_dir) and not os.path.isdir(oppo.trace_dir):
+        raise OPPOConfigError(f"--oppo.trace_dir {oppo.trace_dir} is a file: give a folder for the traces.")
     if oppo.overcommit_max is not None and oppo.overcommit_min > oppo.overcommit_max:
         raise OPPOConfigError(
             f"--oppo.overcommit_min ({oppo.overcommit_min}) is above --oppo.overcommit_max ({oppo.overcommit_max})."
@@ -447,6 +454,104 @@ def _frozen_beside_vllm_applies(args) -> bool:
     except OPPOConfigError:
         return False
     return True
+
+
+def _unused(names, what: str, instead: str) -> OPPOConfigError:
+    """The error for options given for a part of OPPO that this run does not use."""
+    flags = ", ".join(f"--oppo.{name}" for name in names)
+    verb, it = ("tunes", "it") if len(names) == 1 else ("tune", "them")
+    return OPPOConfigError(f"{flags} {verb} {what}: drop {it}, or {instead}.")
+
+
+def _check_streaming_plan(args, given) -> None:
+    """Streaming settings that would quietly undo what was asked for."""
+    oppo = args.oppo
+    if not oppo.streamed_roles:
+        if oppo.intra_step == "on":
+            raise OPPOConfigError(
+                "--oppo.intra_step on, but no model of this run can stream: the reward comes from "
+                "--reward.remote_url or an agent, there is no critic (--algo.advantage.estimator is not gae), no "
+                "reference (--algo.kl.init_coef 0), and the policy shares vLLM's GPUs (--train.colocate_all). "
+                "Use --oppo.intra_step off."
+            )
+        streaming_only = (
+            "chunk_size",
+            "cache_budget_gb",
+            "prefill_calls_in_flight",
+            "flush_interval_ms",
+            "max_prefill_tokens",
+            "max_prefill_cached_tokens",
+        )
+        unused = [name for name in streaming_only if name in given]
+        if unused:
+            why = "--oppo.intra_step off" if oppo.intra_step == "off" else "--oppo.intra_step auto under colocate_all"
+            raise _unused(
+                unused, f"intra-step streaming, which is off in this run ({why})", "stream with --oppo.intra_step on"
+            )
+        return
+    if oppo.cache_budget_gb == 0:
+        raise OPPOConfigError(
+            "--oppo.cache_budget_gb 0 leaves the scoring models no KV cache: every streamed sequence would be "
+            "evicted and scored in full when it ends, which is streaming's cost without its overlap. Give a budget "
+            "in GiB (default 4), or turn streaming off with --oppo.intra_step off."
+        )
+    longest, flag = (args.rollout.max_new_tokens, "--rollout.max_new_tokens")
+    if longest is None:
+        longest, flag = args.data.max_len, "--data.max_len"
+    if oppo.chunk_size != "auto" and oppo.chunk_size >= longest:
+        raise OPPOConfigError(
+            f"--oppo.chunk_size {oppo.chunk_size} is not below the longest response ({flag} {longest}): every "
+            f"response would stream as one chunk, scored only when it ends. Use a chunk size below {longest}, or auto."
+        )
+
+
+def _check_overcommit_plan(args, given) -> None:
+    """Inter-step settings that have no effect, undo the overlap, or put more groups in flight than make sense."""
+    oppo = args.oppo
+    auto_only = [name for name in OPTIONS if name.startswith("overcommit_") and name in given]
+    if not oppo.inter_step:
+        unused = auto_only + [
+            name for name in ("max_defer_steps", "carry_kv", "top_up", "weight_sync") if name in given
+        ]
+        if unused:
+            raise _unused(
+                unused, "inter-step overlap, which --oppo.overcommit 0 turns off", "give --oppo.overcommit N or auto"
+            )
+        return
+    if oppo.overcommit != "auto" and auto_only:
+        delta = oppo.overcommit
+        raise _unused(
+            auto_only, f"--oppo.overcommit auto, and --oppo.overcommit {delta} keeps Delta at {delta}", "use auto"
+        )
+    if oppo.overcommit == "auto" and oppo.overcommit_max == 0:
+        raise OPPOConfigError(
+            "--oppo.overcommit auto with --oppo.overcommit_max 0 keeps Delta at 0: turn inter-step overlap off with "
+            "--oppo.overcommit 0, or allow an --oppo.overcommit_max of 1 or more."
+        )
+    if oppo.max_defer_steps == 0:
+        raise OPPOConfigError(
+            "--oppo.max_defer_steps 0 makes every step wait for all of its groups in flight, which undoes inter-step "
+            "overlap: use 1 or more (default 2), or turn it off with --oppo.overcommit 0."
+        )
+    # With B + Delta groups in flight and B trained a step, a group waits about Delta / B steps: past
+    # max_defer_steps most groups are overdue and every step waits for them.
+    batch = args.rollout.batch_size
+    limit = oppo.max_defer_steps * batch
+    for name in ("overcommit", "overcommit_min", "overcommit_max"):
+        value = getattr(oppo, name)
+        if value != "auto" and value > limit:
+            raise OPPOConfigError(
+                f"--oppo.{name} {value} is above --oppo.max_defer_steps x --rollout.batch_size "
+                f"({oppo.max_defer_steps} x {batch} = {limit}): a group would wait about Delta / batch_size steps "
+                f"to be trained, past max_defer_steps, and every step would wait for the overdue ones. Use at most "
+                f"{limit}" + (", or --oppo.overcommit auto." if name == "overcommit" else ".")
+            )
+        if value != "auto" and name in given and batch + value > args.data.max_samples:
+            raise OPPOConfigError(
+                f"--oppo.{name} {value} with --rollout.batch_size {batch} puts more prompt groups in flight than "
+                f"there are prompts (--data.max_samples {args.data.max_samples}): use at most "
+                f"{max(args.data.max_samples - batch, 0)}."
+            )
 
 
 def describe(args) -> str:

@@ -31,11 +31,15 @@ class OPPOSamplesGenerator(SamplesGenerator):
         self.tracer = tracer or Tracer(enabled=False, process="samples")
         self.dropped: List[StreamInfo] = []  # streamed sequences training will not see
         self._made = None  # the experiences made during ``_generate_vllm``
+        # Episodes whose prompts have all been returned: the episode a checkpoint resumes in (OPPOTrainer).
+        self.episodes_done = 0
 
     def generate_samples(self, **generate_kwargs):
         start = time.time()
         try:
-            return self._generate_samples(**generate_kwargs)
+            samples, filter_pass_rate, prompts_consumed, exhausted = self._generate_samples(**generate_kwargs)
+            self.episodes_done += exhausted
+            return samples, filter_pass_rate, prompts_consumed, exhausted
         finally:
             self.tracer.add("generation", start, time.time(), track="trainer")
 

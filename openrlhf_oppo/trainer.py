@@ -227,12 +227,17 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     # -- checkpoints ------------------------------------------------------------------------------------
 
     def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
+        if client_states is not None:
+            # Upstream saves the episode its loop is in. After the step that ends it, the dataloader's state
+            # starts the next epoch, so a resume must start the next episode too, or the epoch trains twice.
+            client_states["episode"] = self.samples_generator.episodes_done
         if client_states is not None and isinstance(self.samples_generator, OvercommitSamplesGenerator):
             client_states["overcommit_sampler"] = self.samples_generator.state_dict()
         super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
 
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
+        self.samples_generator.episodes_done = states["episode"]
         if "overcommit_sampler" in states and isinstance(self.samples_generator, OvercommitSamplesGenerator):
             self.samples_generator.load_state_dict(states["overcommit_sampler"])
         return states

@@ -6,6 +6,7 @@ usage: resume_helper.py CHECKPOINT PROMPTS OUT ACTOR_PATH REWARD_PATH
 """
 
 import json
+import os
 import sys
 import tempfile
 
@@ -19,7 +20,8 @@ def main(checkpoint, prompts, out, actor, reward):
 
     from openrlhf_oppo.testing import cpu_pipeline
 
-    ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
+    # The test session's cluster (others may run on the same machine): ``RAY_ADDRESS``, set by the test.
+    ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE, log_to_driver=False)
     args = cpu_pipeline.ppo_args(tempfile.mkdtemp(), actor, reward, *PPO_FLAGS)
     pipeline = cpu_pipeline.CPUPipeline(args, actor, reward, [ray.get_actor(ENGINE_NAME)], with_models=False)
     loader = cpu_pipeline.prompt_dataloader(prompts, args, pipeline.tokenizer)

@@ -119,6 +119,24 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.top_up", "step_end"], "needs inter-step overlap"),
         (["--oppo.colocate_models", "--train.colocate_all"], "two different placements"),
         (["--oppo.colocate_models", "--ref.num_gpus_per_node", "1"], "--ref.num_nodes"),
+        # Settings that would quietly undo what was asked for, with what to use instead.
+        (["--oppo.enable", "--oppo.cache_budget_gb", "0"], "or turn streaming off with --oppo.intra_step off"),
+        (["--oppo.enable", "--oppo.chunk_size", "512", "--rollout.max_new_tokens", "512"], "a chunk size below 512"),
+        (["--oppo.enable", "--oppo.intra_step", "off", "--oppo.chunk_size", "16"], "which is off in this run"),
+        (["--oppo.enable", "--train.colocate_all", "--oppo.cache_budget_gb", "2"], "auto under colocate_all"),
+        (
+            ["--oppo.enable", "--train.colocate_all", "--oppo.intra_step", "on", "--reward.remote_url", "http://rm"]
+            + ["--algo.advantage.estimator", "reinforce", "--algo.kl.init_coef", "0"],
+            "no model of this run can stream",
+        ),
+        (["--oppo.enable", "--oppo.overcommit", "100000"], "Use at most 32"),  # max_defer_steps 2 x batch 16
+        (["--oppo.enable", "--oppo.overcommit", "8", "--oppo.max_defer_steps", "0"], "max_defer_steps 0 makes"),
+        (["--oppo.enable", "--oppo.overcommit_max", "40"], "--oppo.overcommit_max 40 is above"),
+        (["--oppo.enable", "--oppo.overcommit_max", "0"], "keeps Delta at 0"),
+        (["--oppo.enable", "--oppo.overcommit", "8", "--data.max_samples", "20"], "use at most 4"),
+        (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.max_defer_steps", "3"], "--oppo.overcommit 0 turns off"),
+        (["--oppo.enable", "--oppo.overcommit", "4", "--oppo.overcommit_window", "3"], "drop it, or use auto"),
+        (["--oppo.enable", "--oppo.trace_dir", __file__], "is a file"),
     ],
 )
 def test_bad_combinations_are_refused_with_what_to_do(extra, message):
@@ -126,11 +144,39 @@ def test_bad_combinations_are_refused_with_what_to_do(extra, message):
         parse_args(BASE + extra)
 
 
-@pytest.mark.parametrize("flag, value", [("chunk_size", "0"), ("chunk_size", "big"), ("overcommit", "-1")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("chunk_size", "0"),
+        ("chunk_size", "big"),
+        ("overcommit", "-1"),
+        ("cache_budget_gb", "nan"),
+        ("cache_budget_gb", "inf"),
+        ("cache_budget_gb", "-1"),
+        ("max_defer_steps", "-1"),
+        ("overcommit_window", "1"),
+    ],
+)
 def test_bad_values_are_refused_by_the_parser(flag, value, capsys):
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--oppo.enable", f"--oppo.{flag}", value])
     assert f"--oppo.{flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "value, code, message",
+    [
+        ("nan", 2, "--oppo.cache_budget_gb takes a finite number, got 'nan'"),
+        ("0", 1, "openrlhf-oppo: error: --oppo.cache_budget_gb 0 leaves the scoring models no KV cache"),
+    ],
+)
+def test_the_cli_ends_with_one_line_before_ray_starts(value, code, message):
+    """The driver itself: its last line says what is wrong, with no traceback, and Ray never starts."""
+    argv = [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray", *BASE, "--oppo.enable"]
+    done = subprocess.run([*argv, "--oppo.cache_budget_gb", value], capture_output=True, text=True, timeout=300)
+    assert done.returncode == code
+    assert message in done.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in done.stderr and "ray" not in done.stdout.lower()
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ checkpoint and a new process), and weight updates with requests in flight behave
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -44,7 +45,7 @@ def run_epochs(pipeline, path, epochs, batch, delta, max_defer_steps=2, state=No
                     consumed=consumed,
                     carried=generator.metrics["oppo/carried_groups"],
                     in_flight_for_next_step=len(generator.groups),
-                    loader_done=generator._iter_done,
+                    loader_done=generator._iter_done or exhausted,  # the dataloader ran out this epoch
                     state=dict(dataloader=loader.state_dict(), sampler=generator.state_dict()),
                 )
             )
@@ -100,7 +101,7 @@ def test_overdue_groups_are_waited_for(pipeline, workload):
 
 
 def test_checkpoint_with_groups_in_flight_resumes_exactly_once_in_a_new_process(
-    pipeline, workload, tmp_path, checkpoints
+    pipeline, workload, tmp_path, checkpoints, ray_session
 ):
     path = workload(LONG_TAIL, seed=23)
     first = run_epochs(pipeline, path, epochs=1, batch=4, delta=3, steps=2)
@@ -112,7 +113,8 @@ def test_checkpoint_with_groups_in_flight_resumes_exactly_once_in_a_new_process(
     out = tmp_path / "resumed.json"
     helper = __file__.replace("test_overcommit.py", "resume_helper.py")
     argv = [str(checkpoint), path, str(out), checkpoints["actor"], checkpoints["reward"]]
-    result = subprocess.run([sys.executable, helper, *argv], capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, RAY_ADDRESS=ray_session)
+    result = subprocess.run([sys.executable, helper, *argv], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     trained_after = json.load(open(out))
     prompts = [json.loads(line)["input"] for line in open(path)]

@@ -1,8 +1,10 @@
 """patches/openrlhf: they apply, in order, to the installed OpenRLHF 0.11.2; with them applied, upstream's
 own train_ppo_ray loads OPPO as an extension, OPPO's wrapper keeps working, and the fixes do what they
-say (prompt order seeded, tokenizer sent once, advantages equal bit for bit; the bucketed weight sync of
-0007 runs against a real engine in test_weight_sync.py)."""
+say (prompt order seeded, tokenizer sent once, advantages equal bit for bit, a checkpoint of an episode's
+last step resumes in the next episode; the bucketed weight sync of 0007 runs against a real engine in
+test_weight_sync.py)."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -35,7 +37,7 @@ def run(patched, code):
 
 
 def test_there_are_patches():
-    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007"]
+    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008"]
 
 
 def test_upstream_cli_loads_oppo_as_an_extension(patched):
@@ -180,3 +182,74 @@ def test_patched_advantages_equal_upstreams_bit_for_bit(patched):
         """,
     )
     assert out.splitlines()[-1] == "equal True"
+
+
+RESUME_FROM_EVERY_STEP = """
+    import copy, json
+    from types import SimpleNamespace as NS
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from openrlhf.trainer.ppo_trainer import PPOTrainer
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator, _collect_prompt_batch
+
+    class Generator(SamplesGenerator):
+        # Upstream's generate_samples; each prompt stands for its samples (no vLLM here).
+        def _generate_vllm(self, dataloader_iter, num_prompts, dynamic_filtering, **generate_kwargs):
+            prompts, _, _, exhausted = _collect_prompt_batch(dataloader_iter, num_prompts)
+            return prompts, len(prompts), exhausted or not prompts
+
+    args = NS(
+        train=NS(num_episodes=2), algo=NS(dynamic_filtering_enable=False), eval=NS(steps=float("inf")),
+        rollout=NS(batch_size=2, n_samples_per_prompt=1), vllm=NS(enable_sleep=False), ckpt=NS(best_metric_key=""),
+    )
+
+    def fit(states):
+        '''Upstream's PPOTrainer.fit from ``states`` with a fresh trainer and dataloader: the prompts trained
+        and the checkpoint saved at each step.'''
+        trainer = PPOTrainer.__ray_actor_class__.__new__(PPOTrainer.__ray_actor_class__)
+        loader = StatefulDataLoader(
+            ["p0", "p1", "p2", "p3", "p4"], batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(0),
+            collate_fn=lambda batch: (None, batch, [None] * len(batch), [None] * len(batch)),
+        )
+        trained, saved = [], []
+        trainer.__dict__.update(
+            args=args, prompts_dataloader=loader, eval_dataloader=None, generate_kwargs={}, wandb_logger=None,
+            tensorboard_logger=None, best_eval_metric_key="", best_eval_metric_value=float("-inf"),
+            samples_generator=Generator(NS(args=args), loader, None, None, []),
+            init_checkpoint_states=lambda: copy.deepcopy(states),
+            broadcast_to_vllm=lambda: None,
+            train_step=lambda samples, step: (trained.append(samples), ({}, step + 1))[1],
+            save_logs_and_checkpoints=lambda step, status, states: saved.append(copy.deepcopy(states)),
+        )
+        trainer.fit()
+        return trained, saved
+
+    full, checkpoints = fit(dict(episode=0, global_step=0, total_consumed_prompts=0, data_loader_state_dict={}))
+    resumed = [full[: state["global_step"]] + fit(state)[0] for state in checkpoints]
+    print(json.dumps(dict(full=full, resumed=resumed, episodes=[s["episode"] for s in checkpoints])))
+"""
+
+
+def _episodes_trained_once(steps, prompts):
+    """Every prompt once in the first episode's steps, then once in the second's."""
+    flat = [prompt for step in steps for prompt in step]
+    bounds = {sum(len(step) for step in steps[:i]) for i in range(len(steps) + 1)}
+    return sorted(flat[: len(prompts)]) == sorted(flat[len(prompts) :]) == prompts and len(prompts) in bounds
+
+
+def test_patched_trainer_resumes_an_ended_episode_in_the_next(patched):
+    """Upstream's fit, resumed from the checkpoint of every step of two episodes: patched, every prompt is
+    trained once an episode; as released, a resume from an episode's last step trains an extra epoch."""
+    prompts = ["p0", "p1", "p2", "p3", "p4"]  # B=2: the third step of an episode has one prompt and ends it
+    result = json.loads(run(patched, RESUME_FROM_EVERY_STEP).splitlines()[-1])
+    assert result["episodes"] == [0, 0, 1, 1, 1, 2]
+    assert _episodes_trained_once(result["full"], prompts)
+    assert all(_episodes_trained_once(steps, prompts) for steps in result["resumed"])
+
+    released = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(RESUME_FROM_EVERY_STEP)], capture_output=True, text=True, timeout=300
+    )
+    result = json.loads(released.stdout.splitlines()[-1])
+    assert result["episodes"] == [0, 0, 0, 1, 1, 1]
+    trained = [sum(len(step) for step in steps) for steps in result["resumed"]]
+    assert trained == [10, 10, 15, 10, 10, 15]  # an extra epoch after the resumes from steps 3 and 6

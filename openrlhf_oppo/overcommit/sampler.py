@@ -11,7 +11,9 @@ waiting, or returned for training. An epoch ends when the dataloader is exhauste
 groups have drained. A checkpoint stores the carried prompts (``state_dict``); after a resume they are
 dispatched again before any new prompt, so none is lost and none repeats. Storing them is cheaper than
 draining before every save, which would bring back the long-tail wait OPPO removes; the price is
-regenerating at most ``Delta`` groups once per resume.
+regenerating at most ``Delta`` groups once per resume. The checkpoint also says whether the dataloader
+has run out: a ``StatefulDataLoader`` state saved after its ``StopIteration`` starts the next epoch when
+iterated again, so the carried groups of the epoch's end must drain first, with no new prompt.
 """
 
 import time
@@ -62,15 +64,15 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         self.groups: List[PromptGroup] = []  # carried: in flight or done and waiting, in dispatch order
         self.restored: List[PromptGroup] = []  # carried groups of a checkpoint, dispatched first
         self._iter = None
-        self._iter_done = False
+        self._iter_done = False  # the dataloader raised StopIteration in this epoch
         self.metrics = {}
 
     # -- one step ---------------------------------------------------------------------------------
 
     @torch.no_grad()
     def _generate_samples(self, **generate_kwargs):
-        if self._iter is None:
-            self._iter, self._iter_done = iter(self.prompts_dataloader), False
+        if self._iter is None and not self._iter_done:
+            self._iter = iter(self.prompts_dataloader)
         if self.args.vllm.enable_sleep:
             batch_vllm_engine_call(self.vllm_engines, "wake_up")
         # Carried sequences stream again: their chunks held through training now meet the new weights.
@@ -121,7 +123,7 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
 
         exhausted = self._iter_done and not self.groups and not self.restored
         if exhausted:
-            self._iter = None  # the next call starts the next episode
+            self._iter, self._iter_done = None, False  # the next call starts the next episode
         return experiences, filter_pass_rate, len(taken), exhausted
 
     def _done_now(self) -> int:
@@ -212,12 +214,18 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
     # -- checkpoints --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The carried prompts (their partial work is not kept) and the controller."""
+        """The carried prompts (their partial work is not kept), whether the dataloader has run out, and the
+        controller."""
         carried = [dict(prompt=g.prompt, label=g.label, image=g.image, deferrals=g.deferrals) for g in self.groups]
         carried += [dict(prompt=g.prompt, label=g.label, image=g.image, deferrals=g.deferrals) for g in self.restored]
-        return dict(carried=carried, controller=self.controller.state_dict())
+        return dict(carried=carried, loader_exhausted=self._iter_done, controller=self.controller.state_dict())
 
     def load_state_dict(self, state: dict) -> None:
         self.restored = [PromptGroup(c["prompt"], c["label"], c["image"], c["deferrals"]) for c in state["carried"]]
+        # Then no new prompt this epoch: the dataloader's state would start the next one.
+        self._iter, self._iter_done = None, state.get("loader_exhausted", False)
         self.controller.load_state_dict(state["controller"])
-        logger.info(f"Restored {len(self.restored)} carried prompt groups from the checkpoint")
+        logger.info(
+            f"Restored {len(self.restored)} carried prompt groups from the checkpoint"
+            + (" (the epoch's prompts are all drawn)" if self._iter_done else "")
+        )
