@@ -37,8 +37,8 @@ from transformers import AutoModelForCausalLM
 from vllm import SamplingParams
 
 from openrlhf_oppo import tiny
-from openrlhf_oppo.testing import cpu_pipeline
 from openrlhf_oppo.coordinator import StreamCoordinator
+from openrlhf_oppo.testing import cpu_pipeline
 from openrlhf_oppo.weight_sync import SyncPlan, broadcast_to_vllm, plan_buckets
 
 
