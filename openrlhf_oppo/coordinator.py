@@ -10,7 +10,8 @@ One step, in call order (``docs/design.md`` draws it):
 1. ``connect`` once, after the models are loaded: scorers built, rollout actors told where to stream.
 2. ``release``: chunks held through the last training go out (inter-step overlap only).
 3. Generation: the rollout actors stream chunks straight to the scorers (``oppo_prefill``), no trainer call.
-4. ``hold``: from the step's end until the next ``release`` chunks only queue (inter-step overlap only).
+4. ``hold``: from the step's end until the next ``release`` the chunks of the roles whose GPUs train only
+   queue (inter-step overlap only).
 5. ``flush`` + ``collect``: the batch's queued chunks sent, every prefill awaited, the scores fetched from
    the rank that holds each sequence (``discard`` for those training dropped).
 6. ``sync_weights``: ``pause`` / ``resume`` around the weight sync, when requests outlive the step (paused
@@ -39,9 +40,13 @@ class StreamCoordinator:
         groups: role -> upstream ``RayActorGroup`` of the models that score streamed chunks (the roles
             that stream; others are left out).
         timeout_s: the longest any call may take before the run stops with an error naming the actor.
+        beside_vllm: the roles whose ranks sit on the engines' GPUs (``--oppo.frozen_scorers_on generation``):
+            training does not hold their chunks.
     """
 
-    def __init__(self, engines: Sequence, groups: Dict[str, object], timeout_s: float = 900.0):
+    def __init__(
+        self, engines: Sequence, groups: Dict[str, object], timeout_s: float = 900.0, beside_vllm: Sequence[str] = ()
+    ):
         unknown = set(groups) - set(ROLES)
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)}; roles are {ROLES}")
@@ -50,6 +55,7 @@ class StreamCoordinator:
         # RayActorGroup exposes no accessor for its actors: this is the one place that reads them.
         self.scorers = {role: list(group._actor_handlers) for role, group in self.groups.items()}  # noqa: SLF001
         self.timeout_s = timeout_s
+        self.beside_vllm = tuple(beside_vllm)
         self.tokenizer_sent = False
 
     @property
@@ -99,11 +105,12 @@ class StreamCoordinator:
     # -- the step ------------------------------------------------------------------------------------
 
     def hold(self) -> None:
-        """Queue chunks instead of sending them, until ``release`` (the models' GPUs are about to train)."""
-        self._each_engine("oppo_hold", "holding the chunks", True)
+        """Queue chunks instead of sending them, until ``release``, for the roles whose GPUs are about to train
+        (the frozen models beside vLLM keep scoring)."""
+        self._each_engine("oppo_hold", "holding the chunks", [r for r in self.roles if r not in self.beside_vllm])
 
     def release(self) -> None:
-        self._each_engine("oppo_hold", "releasing the held chunks", False)
+        self._each_engine("oppo_hold", "releasing the held chunks", [])
 
     def pause(self, clear_cache: bool) -> None:
         """Freeze every request in every engine; ``clear_cache`` drops their KV (re-prefilled on resume)."""

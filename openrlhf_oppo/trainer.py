@@ -19,6 +19,7 @@ from openrlhf_oppo.coordinator import StreamCoordinator
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
+from openrlhf_oppo.protocol import FROZEN_ROLES
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming.chunking import ChunkSizeController
 from openrlhf_oppo.trace import Tracer, write_trace
@@ -62,7 +63,10 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             reference=reference_model_group,
         )
         self.coordinator = StreamCoordinator(
-            vllm_engines, {role: groups[role] for role in oppo.streamed_roles}, timeout_s=oppo.call_timeout_s
+            vllm_engines,
+            {role: groups[role] for role in oppo.streamed_roles},
+            timeout_s=oppo.call_timeout_s,
+            beside_vllm=FROZEN_ROLES if oppo.frozen_scorers_on == "generation" else (),
         )
         self.samples_generator = self._make_samples_generator(strategy, vllm_engines)
         if oppo.streamed_roles:
@@ -141,7 +145,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             return {}
         tp = self.args.vllm.tensor_parallel_size
         first_gpus = [engine * tp for engine in range(len(self.vllm_engines))]
-        return {role: first_gpus for role in ("reward", "reference")}
+        return {role: first_gpus for role in FROZEN_ROLES}
 
     # -- one step -----------------------------------------------------------------------------------
 

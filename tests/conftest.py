@@ -77,7 +77,7 @@ def grading_engine(engine):
     _set_executor(engine, _grading_and_editing_executor())
     yield engine
     _set_executor(engine, SingleTurnAgentExecutor())  # what the engine fixture built
-    ray.get(engine.oppo_hold.remote(False))  # as a test may leave it
+    ray.get(engine.oppo_hold.remote([]))  # as a test may leave it
 
 
 def _grading_and_editing_executor():

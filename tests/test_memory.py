@@ -10,7 +10,8 @@ import pytest
 import ray
 from openrlhf.trainer.ray.launcher import RayActorGroup
 
-from openrlhf_oppo import cpu_pipeline, tiny
+from openrlhf_oppo import tiny
+from openrlhf_oppo.testing import cpu_pipeline
 
 pytestmark = pytest.mark.engine
 
@@ -76,7 +77,7 @@ def test_no_leak_over_200_steps_with_filtering_and_evaluation(checkpoints, gradi
     )  # fmt: skip
     pipeline = cpu_pipeline.CPUPipeline(args, checkpoints["actor"], checkpoints["reward"], [grading_engine], False)
     # The rewards come with the samples: no reward model.
-    paths = dict(actor=checkpoints["actor"], ref=checkpoints["actor"], critic=checkpoints["reward"])
+    paths = dict(policy=checkpoints["actor"], reference=checkpoints["actor"], critic=checkpoints["reward"])
     groups = {
         name: RayActorGroup(1, 1, cpu_pipeline.ACTOR_CLASSES[name], pg=None, num_gpus_per_actor=0) for name in paths
     }

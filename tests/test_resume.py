@@ -16,7 +16,8 @@ import ray
 import torch
 from openrlhf.trainer.ray.launcher import RayActorGroup
 
-from openrlhf_oppo import cpu_pipeline, tiny
+from openrlhf_oppo import tiny
+from openrlhf_oppo.testing import cpu_pipeline
 
 pytestmark = pytest.mark.engine
 
@@ -56,7 +57,7 @@ def _train(workdir, prompts, checkpoints, policy, engine, record, *extra):
         *extra,
     )  # fmt: skip
     pipeline = cpu_pipeline.CPUPipeline(args, checkpoints["actor"], checkpoints["reward"], [engine], with_models=False)
-    pipeline.groups = dict(actor=policy, critic=None, reward=None, ref=None)
+    pipeline.groups = dict(policy=policy, critic=None, reward=None, reference=None)
     try:
         pipeline.run_ppo(_recording_trainer(str(record)))
     finally:
@@ -68,7 +69,7 @@ def _train(workdir, prompts, checkpoints, policy, engine, record, *extra):
 def policy(checkpoints, tmp_path):
     """The policy model actor; its checkpoints go to ``tmp_path / "ckpt"``."""
     args = cpu_pipeline.ppo_args(str(tmp_path), checkpoints["actor"], checkpoints["reward"])
-    group = RayActorGroup(1, 1, cpu_pipeline.ACTOR_CLASSES["actor"], pg=None, num_gpus_per_actor=0)
+    group = RayActorGroup(1, 1, cpu_pipeline.ACTOR_CLASSES["policy"], pg=None, num_gpus_per_actor=0)
     ray.get(group.async_init_model_from_pretrained(cpu_pipeline.get_strategy(args), checkpoints["actor"]))
     yield group
     for handle in group._actor_handlers:
@@ -111,8 +112,8 @@ def test_resume_from_every_checkpoint_trains_every_prompt_once_an_episode(
     states = _checkpoints(tmp_path, len(full))
     # 5 prompts, B=2, Delta=2: the second step of an episode draws the last prompt and runs the dataloader out
     # with a group carried; the third trains that group and ends the episode.
-    assert [s["oppo_carry"]["loader_exhausted"] for s in states] == [False, True, False] * 2
-    assert [len(s["oppo_carry"]["carried"]) for s in states] == [2, 1, 0] * 2
+    assert [s["overcommit_sampler"]["loader_exhausted"] for s in states] == [False, True, False] * 2
+    assert [len(s["overcommit_sampler"]["carried"]) for s in states] == [2, 1, 0] * 2
     assert [s["episode"] for s in states] == [0, 0, 1, 1, 1, 2]  # where each resumes
     for step in range(1, len(full) + 1):
         resumed = _resume_from(tmp_path, train, step, *OVERCOMMIT)

@@ -5,6 +5,7 @@ experience maker must build the Experiences upstream's builds for the same sampl
 """
 
 import copy
+import time
 
 import pytest
 import ray
@@ -129,7 +130,7 @@ def test_dropped_and_replaced_sequences_leave_no_scores_behind(
     connected(4)
     monkeypatch.setattr(pipeline.args.algo, "dynamic_filtering_enable", True)
     held = kind == "oppo"  # the overcommit generator releases the hold as it starts
-    ray.get(grading_engine.oppo_hold.remote(held))
+    ray.get(grading_engine.oppo_hold.remote(list(pipeline.groups) if held else []))
     loader = prompt_dataloader(workload([3, 4, 10, 9], seed=17), pipeline.args, pipeline.tokenizer)
     generator = pipeline.samples_generator(loader, kind, delta=0)
     samples, _, _, _ = generator.generate_samples(**pipeline.generate_kwargs())
@@ -170,3 +171,30 @@ def test_evaluation_samples_are_not_streamed(pipeline, connected, workload):
     pipeline.experience_maker(True).make_experience_batch(samples)
     flush_all(pipeline.engines[0])
     assert all(stats.waiting == 0 for stats in scorer_stats(pipeline).values())
+
+
+def test_training_holds_only_the_roles_on_the_training_gpus(pipeline, workload, monkeypatch):
+    """With the frozen models beside vLLM, their chunks keep flowing while training holds the critic's and the
+    policy's; the held chunks go out with the batch's flush, and the experiences are upstream's."""
+    from openrlhf_oppo.coordinator import StreamCoordinator
+    from openrlhf_oppo.protocol import FROZEN_ROLES
+
+    coordinator = StreamCoordinator(pipeline.engines, pipeline.groups, beside_vllm=FROZEN_ROLES)
+    monkeypatch.setattr(pipeline, "coordinator", coordinator)
+    pipeline.connect(4)
+    try:
+        before = scorer_stats(pipeline)
+        coordinator.hold()
+        samples = generate(pipeline, workload([9, 30, 12, 17], seed=41))
+        time.sleep(1.0)  # the last chunks of the frozen roles land
+        during = scorer_stats(pipeline)
+        for role, stats in during.items():
+            prefilled = stats.streamed_tokens + stats.final_tokens
+            moved = prefilled > before[role].streamed_tokens + before[role].final_tokens
+            assert moved == (role in FROZEN_ROLES), role
+        streamed, upstream, metrics = experiences_both_ways(pipeline, samples)
+        assert_same_experiences(streamed, upstream)
+        assert metrics["oppo/fallback_micro_batches"] == 0
+    finally:
+        coordinator.release()
+        pipeline.disconnect()

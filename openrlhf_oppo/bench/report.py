@@ -294,7 +294,8 @@ def merge(paths: list) -> dict:
 
 def run_results(folder: str) -> dict:
     """A run folder's results: its ``results.json``, or its ``results-*.json`` (systems of one run measured
-    side by side on one host) merged. The code's commit is the one results.json records, else ``commit.txt``."""
+    side by side on one host) merged. The code's commit is ``commit.txt`` where the run's folder has one (a
+    machine whose checkout lacks the repository's history records a wrong one), else what results.json says."""
     paths = sorted(glob.glob(os.path.join(folder, "results.json"))) or sorted(
         glob.glob(os.path.join(folder, "results-*.json"))
     )
@@ -302,7 +303,7 @@ def run_results(folder: str) -> dict:
         return {}
     results = merge(paths)
     commit_file = os.path.join(folder, "commit.txt")
-    if not results.get("commit") and os.path.exists(commit_file):
+    if os.path.exists(commit_file):
         results["commit"] = open(commit_file).read().strip()
     return results
 

@@ -51,9 +51,9 @@ class ChunkOutbox:
     plus one chunk for each of them (sequences start together, before any token is out). At most ``calls_in_flight`` calls go
     to one actor at a time, so that chunks pile up (and batch better) when it falls behind. Nothing waits for
     the scorers: a sample's last chunk is queued like the others and the sample returns at once; the trainer
-    ``flush``es the outbox and collects the scores. While ``held`` (the training phase of inter-step overlap)
-    chunks only queue: the scoring GPUs are training, and the critic's and policy's weights are about to
-    change anyway.
+    ``flush``es the outbox and collects the scores. The chunks of ``held`` roles only queue (the training phase of
+    inter-step overlap: those roles' GPUs are training, and the critic's and policy's weights are about to
+    change anyway); the frozen models beside vLLM keep scoring.
     """
 
     def __init__(
@@ -67,7 +67,7 @@ class ChunkOutbox:
         self.pinned = pinned
         self.calls_in_flight = calls_in_flight
         self.flush_interval_s = flush_interval_s
-        self.held = False
+        self.held = set()  # roles whose chunks wait
         self._load = {role: [0] * len(ranks) for role, ranks in scorers.items()}  # per rank, see ``assign``
         self._queues: Dict[tuple, List[Chunk]] = {}
         self._in_flight: Dict[tuple, set] = {}
@@ -95,8 +95,9 @@ class ChunkOutbox:
         for role, rank in ranks.items():
             self._load[role][rank] -= tokens + chunk_size
 
-    def hold(self, held: bool) -> None:
-        self.held = held
+    def hold(self, roles) -> None:
+        """Queue the chunks of ``roles`` until they are released (an empty list releases them all)."""
+        self.held = set(roles)
         self._wake.set()  # whatever waited goes now, if released
 
     def flush(self, uids=None) -> List[ray.ObjectRef]:
@@ -119,10 +120,8 @@ class ChunkOutbox:
             self._wake.clear()
             # The chunks of one engine step arrive together: give the rest of them a moment.
             await asyncio.sleep(self.flush_interval_s)
-            if self.held:
-                continue
             for key in list(self._queues):
-                if len(self._in_flight.get(key, ())) < self.calls_in_flight:
+                if key[0] not in self.held and len(self._in_flight.get(key, ())) < self.calls_in_flight:
                     self._send(key)
 
     def _send(self, key) -> None:
@@ -266,10 +265,10 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
     def oppo_set_chunk_size(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
 
-    def oppo_hold(self, held: bool) -> None:
-        """Keep chunks queued (``True``) or send them as they come (``False``)."""
+    def oppo_hold(self, roles) -> None:
+        """Keep the chunks of ``roles`` queued; send the others' as they come (``[]`` releases all)."""
         if self.outbox is not None:
-            self.outbox.hold(held)
+            self.outbox.hold(roles)
 
     def oppo_flush(self, uids=None) -> List[ray.ObjectRef]:
         """Send the queued chunks of ``uids`` (all if None) now; return the prefill calls still running
