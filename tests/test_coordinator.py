@@ -60,3 +60,27 @@ def test_a_silent_actor_is_named_after_the_timeout(ray_session):
         coordinator.stats()
     assert time.time() - started < 10
     ray.kill(slow)
+
+
+@ray.remote
+class _Caller:
+    """Waits on another actor, as the trainer waits on the engines and models."""
+
+    def wait_on(self, actor):
+        return ray.get(actor.__ray_call__.remote(lambda self: time.sleep(60)))
+
+
+def test_the_cli_names_an_actor_that_died_under_the_trainer(ray_session):
+    from openrlhf_oppo.cli.train_ppo_ray import failure_line
+
+    victim, caller = _SlowScorer.remote(), _Caller.remote()
+    waiting = caller.wait_on.remote(victim)
+    ray.get(victim.__ray_ready__.remote())
+    ray.kill(victim)
+    with pytest.raises(ray.exceptions.RayTaskError) as raised:
+        ray.get(waiting, timeout=30)
+    line = failure_line(raised.value)
+    assert line.startswith("_SlowScorer died while _Caller.wait_on waited on it: The actor is dead"), line
+    assert "\n" not in line
+    assert failure_line(ValueError("not an actor's death")) is None
+    ray.kill(caller)

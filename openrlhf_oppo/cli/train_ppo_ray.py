@@ -14,6 +14,7 @@ Without OPPO flags the run is upstream's, step for step.
 """
 
 import argparse
+import re
 import runpy
 import sys
 from contextlib import contextmanager
@@ -94,10 +95,35 @@ def main() -> None:
             runpy.run_module(UPSTREAM, run_name="__main__", alter_sys=True)
         except config.OPPOConfigError as error:
             sys.exit(f"openrlhf-oppo: error: {error}")
-        except OPPOActorError as error:
-            # Raised in the trainer actor, it reaches the driver wrapped in Ray's RayTaskError (a subclass of
-            # both): say what died and where, not the trainer's traceback.
-            sys.exit(f"openrlhf-oppo: error: {getattr(error, 'cause', error)}")
+        except Exception as error:  # noqa: BLE001 - everything else goes on as raised
+            line = failure_line(error)
+            if line is None:
+                raise
+            sys.exit(f"openrlhf-oppo: error: {line}")
+
+
+def failure_line(error: BaseException):
+    """One line for a run that stopped because a Ray actor died or stopped answering, or None for any other
+    error. Raised in the trainer actor, the error reaches the driver wrapped in Ray's ``RayTaskError``; its
+    traceback says little, the actor that died and the call that found it say what happened."""
+    import ray.exceptions
+
+    outer = error
+    while isinstance(error, ray.exceptions.RayTaskError) and getattr(error, "cause", None) is not None:
+        error = error.cause
+    if isinstance(error, OPPOActorError):
+        return str(error)
+    if not isinstance(error, ray.exceptions.RayActorError):
+        return None
+    text = str(error)
+    actor = re.search(r"class_name: (\S+)", text)
+    reason = [line for line in text.splitlines() if line.startswith("The actor is dead")]
+    call = re.search(r"ray::([\w.]+)\(\)", str(outer))
+    return (
+        f"{actor.group(1) if actor else 'a Ray actor'} died"
+        + (f" while {call.group(1)} waited on it" if call else "")
+        + (f": {reason[0]}" if reason else "")
+    )
 
 
 if __name__ == "__main__":
