@@ -7,7 +7,7 @@ from openrlhf_oppo.bench.systems import SPLIT_ONLY, SYSTEMS, common_flags, syste
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
 
-@pytest.mark.parametrize("placement,gpus", [("split", 2), ("colocated", 1)])
+@pytest.mark.parametrize("placement,gpus", [("split", 2), ("split", 4), ("colocated", 1)])
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatch):
     if system in SPLIT_ONLY and placement == "colocated":
@@ -30,3 +30,14 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
         # The frozen models go beside vLLM wherever they stream in the split placement.
         beside_vllm = placement == "split" and system not in ("oppo-inter", "oppo-both-frozen-with-models")
         assert args.oppo.frozen_scorers_on == ("generation" if beside_vllm else "models")
+    if placement == "split":
+        assert args.vllm.num_engines == gpus // 2 and args.actor.num_gpus_per_node == gpus // 2
+
+
+def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch):
+    """examples/scripts/bench_4gpu_split.sh with ZERO=3: two engines, two ranks a model, ZeRO-3."""
+    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
+    flags = common_flags("/w", "/o", "oppo-both", "split", 4, 64, 1, 5, 4096, 64, 0, 4.0)
+    args = parse_args(flags + system_flags("oppo-both", "split", 32) + ["--ds.zero_stage", "3"])
+    assert args.ds.zero_stage == 3 and args.oppo.streamed_roles == ["policy", "critic", "reward", "reference"]
+    assert args.oppo.frozen_scorers_on == "generation" and args.reward.num_gpus_per_node == 2
