@@ -1,7 +1,8 @@
 """No leak under load: OPPOTrainer on CPU (a real vLLM engine, real scoring models, upstream's PPOTrainer.fit)
 for 200 steps with streaming, overcommit, dynamic filtering and evaluation on. The scores waiting in the
 scoring actors, the discarded sequences not yet cleared (tombstones), the scorers' KV cache, Ray's object
-store and the object references the trainer holds stay flat: the last 50 steps go no higher than the first 50.
+store and the object references the trainer holds stay flat: the last 50 steps go no higher than the first 50
+(or, for the scores, than the carried samples that wait by design).
 """
 
 import json
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.engine
 
 STEPS = 200
 WINDOW = 50
+DELTA, N_SAMPLES = 2, 2
 
 
 def _sampling_trainer(path):
@@ -65,7 +67,7 @@ def test_no_leak_over_200_steps_with_filtering_and_evaluation(checkpoints, gradi
         "--data.prompt_dataset", prompts,
         "--data.max_len", "64",
         "--rollout.batch_size", "2",
-        "--rollout.n_samples_per_prompt", "2",
+        "--rollout.n_samples_per_prompt", str(N_SAMPLES),
         "--rollout.micro_batch_size", "4",
         "--train.batch_size", "4",
         "--train.micro_batch_size", "2",
@@ -73,7 +75,7 @@ def test_no_leak_over_200_steps_with_filtering_and_evaluation(checkpoints, gradi
         "--train.agent_func_path", "grading_engine.py",  # the engine's agent gives the rewards
         "--algo.dynamic_filtering_enable",
         "--eval.dataset", evals, "--eval.steps", "10", "--eval.n_samples_per_prompt", "2",
-        "--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "4",
+        "--oppo.enable", "--oppo.overcommit", str(DELTA), "--oppo.chunk_size", "4",
     )  # fmt: skip
     pipeline = cpu_pipeline.CPUPipeline(args, checkpoints["actor"], checkpoints["reward"], [grading_engine], False)
     # The rewards come with the samples: no reward model.
@@ -105,7 +107,11 @@ def test_no_leak_over_200_steps_with_filtering_and_evaluation(checkpoints, gradi
     # Plasma fills with the experiences sent to training (ray.put) and is freed in bursts: a slack of 1 MiB
     # and 50 objects (a burst is about 150 kB and 36 objects here).
     slack = dict(store_bytes=1 << 20, store_objects=50, trainer_refs=4)
+    # What may wait by design: the samples of the groups carried to the next step (Delta of them, n samples
+    # each) and their tombstones. How many are carried varies with timing, so the bound is that, not the
+    # first steps' count.
+    by_design = dict.fromkeys(("oppo/scores_waiting", "oppo/score_tombstones"), DELTA * N_SAMPLES)
     for key in ("oppo/scores_waiting", "oppo/score_tombstones", "oppo/scorer_cached_gb", *slack):
         first, last = max(s[key] for s in steps[:WINDOW]), max(s[key] for s in steps[-WINDOW:])
         print(f"{key}: max {first} in the first {WINDOW} steps, {last} in the last {WINDOW}")
-        assert last <= first + slack.get(key, 0), key
+        assert last <= max(first, by_design.get(key, 0)) + slack.get(key, 0), key
