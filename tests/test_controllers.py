@@ -1,7 +1,7 @@
 """The two controllers: Delta (overcommit) and the chunk size, on scripted inputs and on recorded GPU steps.
 
 The recorded steps (``tests/data/chunk_traces/*.json``) are the prefill calls of one step of a GPU run,
-taken from the Chrome traces under ``docs/results`` by ``extract_trace``; to write them again:
+taken from recorded Chrome traces (``TRACES``) by ``extract_trace``; to write them again:
 ``PYTHONPATH=. python tests/test_controllers.py``.
 """
 
@@ -18,14 +18,21 @@ from openrlhf_oppo.streaming.chunking import CANDIDATES, ChunkSizeController, bu
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "data" / "chunk_traces"
 
-# fixture name: (trace under docs/results, the step's oppo/chunk_size as its run logged it)
+# fixture name: (the recorded trace, the step's oppo/chunk_size as its run logged it); the 1-GPU smoke run's trace
+# is kept beside the fixtures (its run is not a benchmark result).
 TRACES = {
     # 2x H200, vLLM apart, the four scorers on the training GPU; intra-step only (results-lane-b.json, step 3).
-    "intra-2gpu-split-c128": ("docs/results/h200x4-s4-patched-pair/trace-oppo-intra-step3.json", 128),
+    "intra-2gpu-split-c128": (
+        "docs/results/split-2gpu-1.5b-lognormal-patched-sync-vs-intra/trace-oppo-intra-step3.json",
+        128,
+    ),
     # The same placement with both halves, Delta 16 (results.json, oppo-both step 3).
-    "both-2gpu-split-c16": ("docs/results/h200x4-lane-2gpu-split/trace-oppo-both-step3.json", 16),
+    "both-2gpu-split-c16": (
+        "docs/results/split-2gpu-1.5b-lognormal-unpatched-unseeded-order/trace-oppo-both-step3.json",
+        16,
+    ),
     # 1x H200, vLLM and three scorers on one GPU, Delta 4 (oppo-on.log, step 2).
-    "both-1gpu-colocated-c128": ("docs/results/h200-smoke/trace-step2.json", 128),
+    "both-1gpu-colocated-c128": ("tests/data/chunk_traces/raw/smoke-1gpu-colocated-step2.json", 128),
 }
 
 
@@ -297,8 +304,6 @@ def recorded(name, per_call_s=0.0, per_chunk_s=0.0):
 @pytest.mark.parametrize("name", TRACES)
 def test_fixtures_are_the_recorded_traces(name):
     path, chunk_size = TRACES[name]
-    if not (ROOT / path).exists():
-        pytest.skip(f"{path} is not in this checkout")
     assert json.loads((FIXTURES / f"{name}.json").read_text()) == extract_trace(ROOT / path, chunk_size)
 
 
