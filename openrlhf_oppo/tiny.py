@@ -95,14 +95,27 @@ def make_checkpoints(root: str, shape: str = "tiny", dtype: str = "float32", see
     Returns the two paths. Does nothing if they are already there.
     """
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     actor_dir, reward_dir = os.path.join(root, "actor"), os.path.join(root, "reward")
     if os.path.exists(os.path.join(reward_dir, "config.json")):
         return actor_dir, reward_dir
     os.makedirs(actor_dir, exist_ok=True)
     make_tokenizer(actor_dir, SHAPES[shape]["vocab_size"])
-    config = Qwen2Config(
+    torch.manual_seed(seed)
+    # Random init of a billion parameters takes a while on a CPU; a GPU does it in a blink.
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(qwen2_config(shape))
+    save_causal_lm(model, actor_dir, dtype)
+    del model
+    save_value_model(actor_dir, reward_dir, dtype)
+    return actor_dir, reward_dir
+
+
+def qwen2_config(shape: str):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
         max_position_embeddings=8192,
         eos_token_id=0,
         bos_token_id=0,
@@ -110,27 +123,29 @@ def make_checkpoints(root: str, shape: str = "tiny", dtype: str = "float32", see
         tie_word_embeddings=True,
         **SHAPES[shape],
     )
-    torch_dtype = getattr(torch, dtype)
-    torch.manual_seed(seed)
-    # Random init of a billion parameters takes a while on a CPU; a GPU does it in a blink.
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(config)
-    # Round through bfloat16 so that a float32 checkpoint loads identically in vLLM (float32) and in
-    # OpenRLHF's model classes (which load bf16 or fp16 only).
-    model.to(torch.bfloat16).to(torch_dtype).save_pretrained(actor_dir)
-    del model
 
+
+def save_causal_lm(model, actor_dir: str, dtype: str) -> None:
+    """Save in ``dtype``, rounded through bfloat16, so that a float32 checkpoint loads identically in vLLM
+    (float32) and in OpenRLHF's model classes (which load bf16 or fp16 only)."""
+    import torch
+
+    model.to(torch.bfloat16).to(getattr(torch, dtype)).save_pretrained(actor_dir)
+
+
+def save_value_model(actor_dir: str, reward_dir: str, dtype: str) -> None:
+    """The reward model and the critic's starting point: the actor's body with a fresh value head."""
+    import torch
     from openrlhf.models import get_llm_for_sequence_regression
 
     reward = get_llm_for_sequence_regression(
         actor_dir, "reward", param_dtype="bf16", attn_implementation="sdpa", init_value_head=True
     )
-    reward.to(torch.bfloat16).to(torch_dtype).save_pretrained(reward_dir)
+    reward.to(torch.bfloat16).to(getattr(torch, dtype)).save_pretrained(reward_dir)
     for name in os.listdir(actor_dir):
         if name.startswith("tokenizer") or name == "special_tokens_map.json":
             with open(os.path.join(actor_dir, name), "rb") as src, open(os.path.join(reward_dir, name), "wb") as dst:
                 dst.write(src.read())
-    return actor_dir, reward_dir
 
 
 def response_lengths(count: int, distribution: str, seed: int = 0, **params) -> List[int]:

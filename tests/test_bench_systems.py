@@ -1,8 +1,10 @@
-"""Every system the benchmark compares is a valid train_ppo_ray command (upstream's parser and OPPO's checks)."""
+"""Every system the benchmarks compare is a valid train_ppo_ray command (upstream's parser and OPPO's checks)."""
 
 import pytest
 from openrlhf.utils import deepspeed
 
+from openrlhf_oppo.bench import addition, learning
+from openrlhf_oppo.bench.learning import LEARNING_SYSTEMS
 from openrlhf_oppo.bench.systems import SPLIT_ONLY, SYSTEMS, common_flags, system_flags
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
@@ -30,6 +32,7 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
         # The frozen models go beside vLLM wherever they stream in the split placement.
         beside_vllm = placement == "split" and system not in ("oppo-inter", "oppo-both-frozen-with-models")
         assert args.oppo.frozen_scorers_on == ("generation" if beside_vllm else "models")
+        assert args.oppo.carry_kv == ("keep" if system == "oppo-both-keep" else "recompute")
     if placement == "split":
         assert args.vllm.num_engines == gpus // 2 and args.actor.num_gpus_per_node == gpus // 2
 
@@ -41,3 +44,22 @@ def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch):
     args = parse_args(flags + system_flags("oppo-both", "split", 32) + ["--ds.zero_stage", "3"])
     assert args.ds.zero_stage == 3 and args.oppo.streamed_roles == ["policy", "critic", "reward", "reference"]
     assert args.oppo.frozen_scorers_on == "generation" and args.reward.num_gpus_per_node == 2
+
+
+@pytest.mark.parametrize("system", LEARNING_SYSTEMS)
+def test_learning_benchmark_run_is_a_valid_command(system, monkeypatch):
+    """Every run of the learning benchmark: the task's prompts and rule reward, responses ending where the model
+    ends them, advantages from the group of samples (no critic), the system's own flags."""
+    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
+    options = learning.parse(["--task", "addition", "--out", "/o"])
+    flags = learning.run_flags("/w", "/o", f"{system}-seed1", system, 1, options)
+    args = parse_args(flags)
+    assert args.reward.remote_url == [addition.__file__] and args.data.label_key == "answer"
+    assert not args.bench.lengths_from_label and args.bench.seed_prompt_order and args.train.seed == 1
+    assert args.critic.model_name_or_path is None  # group_norm: no critic
+    assert args.logger.wandb.run_name == f"{system}-seed1"
+    assert args.rollout.max_new_tokens == 2 * (10 * options.digits_high + 2)  # twice the longest right response
+    assert args.train.async_enable == (system == "upstream-async")
+    if system.startswith("oppo"):
+        assert args.oppo.streamed_roles == ["policy", "reference"]  # no reward model, no critic
+        assert args.oppo.carry_kv == ("keep" if system == "oppo-both-keep" else "recompute")

@@ -25,7 +25,7 @@ import time
 
 from tqdm import tqdm
 
-from openrlhf_oppo.bench import report
+from openrlhf_oppo.bench import learning, report
 from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus
 from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
 from openrlhf_oppo.bench.systems import SYSTEMS, common_flags, system_flags
@@ -61,6 +61,9 @@ def parse():
 
 
 def main():
+    if any(arg == "--task" or arg.startswith("--task=") for arg in sys.argv[1:]):
+        learning.run(learning.parse(), run_system, header())  # the learning benchmark (its own options)
+        return
     args = parse()
     systems = [s for s in args.systems.split(",") if s]
     overcommit = args.overcommit if args.overcommit is not None else max(1, args.batch // 4)
@@ -79,16 +82,7 @@ def main():
     )
 
     results = dict(
-        command=" ".join(["python -m openrlhf_oppo.bench"] + sys.argv[1:]),
-        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        commit=_commit(),
-        machine=dict(
-            gpus=_gpu_names(),
-            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-            host=platform.node(),
-            python=platform.python_version(),
-        ),
-        versions=_versions(),
+        **header(),
         settings=dict(vars(args), overcommit=overcommit, prompts=prompts),
         workload=workload,
         upstream_patches=[patch.name for patch in patches()] if args.upstream_patches else [],
@@ -119,6 +113,22 @@ def main():
             json.dump(results, f, indent=1)
     report.write(results, args.out)
     print(open(os.path.join(args.out, "table.md")).read())
+
+
+def header() -> dict:
+    """What every results.json starts with: the command, date, the code's commit, the machine and versions."""
+    return dict(
+        command=" ".join(["python -m openrlhf_oppo.bench"] + sys.argv[1:]),
+        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        commit=_commit(),
+        machine=dict(
+            gpus=_gpu_names(),
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            host=platform.node(),
+            python=platform.python_version(),
+        ),
+        versions=_versions(),
+    )
 
 
 def run_system(system, flags, args) -> dict:

@@ -10,7 +10,8 @@ runs are left out), or with ``--into`` replaces the summary block of that markdo
 ``--section`` prints the start of a run's section in docs/RESULTS.md: its command, raw files and table.
 
 Runs of 10 steps or more also get a convergence table (reward per step, time to a target reward) and
-plot. A step's time is the wall time between its log and the previous step's (all phases, queue waits and
+plot. Runs of the learning benchmark (``--task``) get its own table and plots (``learning_report.py``).
+A step's time is the wall time between its log and the previous step's (all phases, queue waits and
 whatever else happened). The phases are OpenRLHF's own ``timing/*``; under OPPO's inter-step overlap
 and upstream's async mode, generation overlaps training, so phases need not add up to the step.
 """
@@ -21,6 +22,8 @@ import json
 import os
 import re
 import statistics
+
+from openrlhf_oppo.bench import learning_report
 
 PHASES = ("generation", "make_experience", "ppo_train", "broadcast")
 OPPO_KEYS = (
@@ -84,6 +87,8 @@ def summarize(steps: list) -> dict:
 
 
 def table(results: dict) -> str:
+    if "task" in results:  # the learning benchmark
+        return learning_report.table(results)
     systems = results["systems"]
     base = systems.get("upstream-sync", {}).get("summary", {})
     base_util = _mean(systems.get("upstream-sync", {}).get("gpu_utilization", []))
@@ -272,7 +277,11 @@ def write(results: dict, out: str) -> None:
     try:
         plot_breakdown(results, os.path.join(out, "breakdown.png"))
         plot_timeline(results, os.path.join(out, "timeline.png"))
-        if max(len(r.get("steps") or []) for r in results["systems"].values()) >= CONVERGENCE_MIN_STEPS:
+        if "task" in results:
+            learning_report.plot(
+                results, os.path.join(out, "accuracy-by-step.png"), os.path.join(out, "accuracy-by-time.png")
+            )
+        elif max(len(r.get("steps") or []) for r in results["systems"].values()) >= CONVERGENCE_MIN_STEPS:
             plot_convergence(results, os.path.join(out, "convergence.png"))
     except ImportError:
         print("matplotlib is not installed: no plots")
@@ -309,7 +318,9 @@ def run_results(folder: str) -> dict:
 
 
 def is_convergence(results: dict) -> bool:
-    return max(len(r.get("steps") or []) for r in results["systems"].values()) >= CONVERGENCE_MIN_STEPS
+    """A run about learning (the learning benchmark, or a speed run of 10 steps or more), not speed alone."""
+    longest = max(len(r.get("steps") or []) for r in results["systems"].values())
+    return "task" in results or longest >= CONVERGENCE_MIN_STEPS
 
 
 def summary(folders: list) -> str:

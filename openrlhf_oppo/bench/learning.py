@@ -1,0 +1,144 @@
+"""The learning benchmark: does each system learn a task as well per step, and how much sooner per hour?
+
+    python -m openrlhf_oppo.bench --task addition --gpus 2 --placement split --upstream_patches --out runs/learning
+
+1. Warm-up (``warmup.py``): a ``--shape`` model learns the addition task (``addition.py``) with supervised
+   learning until its greedy accuracy on held-out sums reaches ``--warmup_target``; cached in the workload folder.
+2. PPO from that checkpoint with the task's rule reward (1 for a right answer, so the mean reward is the
+   accuracy of the sampled responses), for every system of ``--systems`` and every seed of ``--seeds``
+   (``--train.seed``: vLLM's sampling, the prompt order, the models' initialisation), ``--steps`` steps each,
+   one run after the other, each a ``train_ppo_ray`` process as in the speed benchmark (``__main__.run_system``).
+   Responses end where the model ends them: no ``--bench.lengths_from_label``.
+3. ``results.json`` after each run, then ``table.md`` (accuracy at the start and end, its rise, the step and
+   minutes at which the seeds reach ``--target``, whether the curve stays in upstream sync's seed band) and the
+   plots of accuracy against step and against wall-clock time, with a band over the seeds (``learning_report.py``).
+
+The defaults are the GPU benchmark's; the CPU tests run the same function (``run``) scaled down, with a runner
+that drives OpenRLHF's trainer in-process on CPU stand-ins.
+"""
+
+import argparse
+import json
+import os
+
+from tqdm import tqdm
+
+from openrlhf_oppo.bench import addition, report, warmup
+from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
+from openrlhf_oppo.bench.systems import SYSTEMS, cluster_flags, system_flags
+
+TASKS = ("addition",)
+LEARNING_SYSTEMS = ("upstream-sync", "upstream-async", "oppo-both", "oppo-both-keep")
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=TASKS, required=True)
+    parser.add_argument("--systems", default=",".join(LEARNING_SYSTEMS), help=f"comma-separated, from {SYSTEMS}")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated --train.seed values, one run each")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--placement", choices=["split", "colocated"], default="split")
+    parser.add_argument("--shape", default="small", help="the model's shape (tiny.SHAPES)")
+    parser.add_argument("--batch", type=int, default=32, help="--rollout.batch_size (prompt groups per step)")
+    parser.add_argument("--n_samples", type=int, default=8, help="samples per prompt (group_norm's group)")
+    parser.add_argument("--steps", type=int, default=60, help="PPO steps per run")
+    parser.add_argument("--overcommit", type=int, default=None, help="Delta for the OPPO systems (default B/4)")
+    parser.add_argument("--lr", type=float, default=2e-5, help="the policy's learning rate in PPO")
+    parser.add_argument("--target", type=float, default=0.8, help="the accuracy the convergence table times")
+    parser.add_argument("--warmup_target", type=float, default=0.3, help="held-out greedy accuracy to stop at")
+    parser.add_argument("--warmup_max_steps", type=int, default=20000)
+    parser.add_argument("--digits_mean", type=float, default=addition.DIGITS["mean"])
+    parser.add_argument("--digits_high", type=int, default=addition.DIGITS["high"])
+    parser.add_argument("--seed", type=int, default=0, help="the warm-up's and the prompts' seed")
+    parser.add_argument("--cache_budget_gb", type=float, default=2.0)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run before it is stopped")
+    parser.add_argument("--extra", action="append", default=[], help="a train_ppo_ray flag for every run (repeat)")
+    parser.add_argument(
+        "--upstream_patches", action="store_true", help="run every system on OpenRLHF with patches/openrlhf applied"
+    )
+    parser.add_argument("--workdir", default=None, help="the warm-up's checkpoints and the prompts (OUT/workload)")
+    parser.add_argument("--out", required=True, help="results.json, table.md and the plots")
+    parser.add_argument("--scratch", default=None, help="logs, tensorboard, traces, checkpoints (default OUT)")
+    args = parser.parse_args(argv)
+    args.warmup = 0  # every PPO step counts (``run_system`` reads it)
+    args.overcommit = args.overcommit if args.overcommit is not None else max(1, args.batch // 4)
+    return args
+
+
+def run(args, runner, header: dict, warmup_options=None) -> dict:
+    """Warm up, then every system with every seed through ``runner(name, flags, args) -> result``.
+
+    ``header``: what results.json starts with (``__main__.header``). ``warmup_options``: ``warmup.warm_up``
+    settings besides the shape, target and digits (the CPU tests' smaller batch and evaluation). Returns the
+    results, also written to ``OUT/results.json``.
+    """
+    systems = [s for s in args.systems.split(",") if s]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.scratch = args.scratch or args.out
+    workdir = args.workdir or os.path.join(args.scratch, "workload")
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.scratch, exist_ok=True)
+    for system in systems:
+        system_flags(system, args.placement, args.overcommit)  # unknown systems and placements stop here
+    if args.upstream_patches:
+        patched = make_patched_copy(os.path.join(args.scratch, "openrlhf-patched"))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (patched, os.environ.get("PYTHONPATH")) if p)
+
+    digits = dict(mean=args.digits_mean, high=args.digits_high)
+    warm = warmup.warm_up(
+        workdir, args.shape, args.warmup_target, args.seed, digits, max_steps=args.warmup_max_steps,
+        **(warmup_options or {}),
+    )  # fmt: skip
+    prompts = addition.write_prompts(
+        os.path.join(workdir, "prompts.jsonl"), args.batch * (args.steps + 2), args.seed, **digits
+    )
+    results = dict(
+        **header,
+        settings=dict(vars(args), systems=systems, seeds=seeds),
+        task=dict(name=args.task, target=args.target, warmup=warm, prompts=prompts),
+        upstream_patches=[patch.name for patch in patches()] if args.upstream_patches else [],
+        systems={},
+    )
+    path = os.path.join(args.out, "results.json")
+    for seed in seeds:  # seed by seed, so that a run cut short has every system of its first seeds
+        for system in tqdm(systems, desc=f"seed {seed}"):
+            name = f"{system}-seed{seed}"
+            result = runner(name, run_flags(workdir, args.scratch, name, system, seed, args), args)
+            results["systems"][name] = dict(result, system=system, seed=seed, warmup_accuracy=warm["accuracy"])
+            with open(path, "w") as f:
+                json.dump(results, f, indent=1)
+    report.write(results, args.out)
+    print(open(os.path.join(args.out, "table.md")).read())
+    return results
+
+
+def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -> list:
+    """One run's ``train_ppo_ray`` flags: the cluster and the system as in the speed benchmark, the task's
+    prompts, rule reward and response lengths, and the PPO settings of the learning benchmark."""
+    max_response = addition.max_response_tokens(args.digits_high)
+    samples = args.batch * args.n_samples
+    return (
+        cluster_flags(workdir, out, name, system, args.placement, args.gpus, seed, args.cache_budget_gb)
+        + [
+            "--data.prompt_dataset", f"{workdir}/prompts.jsonl",
+            "--data.input_key", "input",
+            "--data.label_key", "answer",
+            "--data.max_samples", str(args.batch * (args.steps + 2)),
+            "--data.max_len", str(2 * args.digits_high + 2 + max_response),
+            "--rollout.max_new_tokens", str(max_response),
+            "--reward.remote_url", addition.__file__,
+            "--rollout.batch_size", str(args.batch),
+            "--rollout.n_samples_per_prompt", str(args.n_samples),
+            "--rollout.micro_batch_size", str(min(32, samples)),
+            # Four policy updates a step, each on a quarter of the step's samples.
+            "--train.batch_size", str(max(1, samples // 4)),
+            "--train.micro_batch_size", str(min(16, max(1, samples // 4))),
+            "--train.max_epochs", "1",
+            # Advantages against the other samples of the prompt: no critic to learn first.
+            "--algo.advantage.estimator", "group_norm",
+            "--algo.kl.init_coef", "0.01",
+            "--actor.adam.lr", str(args.lr),
+        ]
+        + system_flags(system, args.placement, args.overcommit)
+        + args.extra
+    )  # fmt: skip

@@ -1,0 +1,165 @@
+"""The learning benchmark's table and plots, from its ``results.json`` (``learning.py``).
+
+Accuracy is the step's mean reward (``rollout/reward_mean``: the task's reward is 1 for a right answer, 0
+otherwise), over the step's sampled responses. Curves are smoothed with a 3-step moving mean, the same in the
+table and the plots. A seed reaches the target at the first step whose smoothed accuracy is at or above it;
+its minutes count from the start of its first step (the start-up of Ray, vLLM and the models is left out).
+Upstream sync's seed band is, at each step, the lowest to the highest of its seeds' smoothed accuracies.
+``report.write`` and ``report.table`` come here for a learning run.
+"""
+
+import statistics
+
+SMOOTHING = 3  # steps in the moving mean
+BASELINE = "upstream-sync"
+
+
+def runs_by_system(results: dict) -> dict:
+    """system -> {seed: steps}, for the runs that logged steps, systems in the order they ran."""
+    runs = {}
+    for result in results["systems"].values():
+        runs.setdefault(result["system"], {})
+        if result.get("steps"):
+            runs[result["system"]][result["seed"]] = result["steps"]
+    return runs
+
+
+def accuracy(steps: list) -> list:
+    """The smoothed accuracy at each step."""
+    raw = [s.get("rollout/reward_mean", float("nan")) for s in steps]
+    return [statistics.mean(raw[max(0, i - SMOOTHING + 1) : i + 1]) for i in range(len(raw))]
+
+
+def minutes(steps: list) -> list:
+    """Wall-clock minutes from the start of the first step to the end of each."""
+    return [(s["end"] - steps[0]["start"]) / 60 for s in steps]
+
+
+def reached(steps: list, target: float):
+    """The index of the first step whose smoothed accuracy is at or above ``target``, or None."""
+    return next((i for i, value in enumerate(accuracy(steps)) if value >= target), None)
+
+
+def band(curves: list) -> tuple:
+    """Lowest, mean and highest over the curves, step by step, as long as the shortest curve."""
+    length = min(len(c) for c in curves)
+    columns = [[c[i] for c in curves] for i in range(length)]
+    return [min(c) for c in columns], [statistics.mean(c) for c in columns], [max(c) for c in columns]
+
+
+def share_in_band(curves: list, baseline: list) -> float:
+    """The share of steps at which the mean of ``curves`` lies in the band of the ``baseline`` curves."""
+    low, _, high = band(baseline)
+    _, mean, _ = band(curves)
+    steps = min(len(mean), len(low))
+    return sum(low[i] <= mean[i] <= high[i] for i in range(steps)) / steps
+
+
+def table(results: dict) -> str:
+    settings, task = results["settings"], results["task"]
+    target, runs = task["target"], runs_by_system(results)
+    warm, prompts = task["warmup"], task["prompts"]
+    seeds = sorted({r["seed"] for r in results["systems"].values()})
+    # Results merged from several invocations on fresh machines may start from warm-ups trained anew.
+    starts = sorted({f"{r['warmup_accuracy']:.1%}" for r in results["systems"].values()})
+    lines = [
+        f"Task: {task['name']} · GPUs: {', '.join(results['machine']['gpus']) or 'none'} · placement:"
+        f" {settings['placement']} · shape: {settings['shape']} · batch: {settings['batch']} prompts x"
+        f" {settings['n_samples']} · {settings['steps']} steps · seeds: {', '.join(map(str, seeds))}"
+        + (" · OpenRLHF with patches/openrlhf applied" if results.get("upstream_patches") else ""),
+        "",
+        f"Warm-up: {warm['steps']} supervised steps ({warm['seconds'] / 60:.1f} min on {warm['device']}), greedy"
+        f" accuracy {' / '.join(starts)} on held-out sums"
+        + (" (the runs started from warm-ups trained separately)" if len(starts) > 1 else "")
+        + f". Prompts: digits up to {prompts['digits']['high']}"
+        f" (lognormal, mean {prompts['digits']['mean']:g}); right responses mean {prompts['mean_length']:.0f}"
+        f" tokens, p90 {prompts['p90_length']}, max {prompts['max_length']}.",
+        "",
+        f"Accuracy of the sampled responses ({SMOOTHING}-step moving mean; start and end: the mean of the first and"
+        f" of the last {SMOOTHING} steps), means over the seeds (lowest-highest); target {target:.0%}.",
+        "",
+        "| system | seeds | step (s) | accuracy, start | accuracy, end | rise (points) | seeds at target"
+        " | step to target | minutes to target | minutes vs sync | steps in sync's band |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base_minutes = _minutes_to_target(runs.get(BASELINE, {}), target)
+    for system, seeds in runs.items():
+        if not seeds:
+            codes = sorted({r.get("returncode") for r in results["systems"].values() if r["system"] == system})
+            lines.append(f"| {system} | failed (rc {', '.join(map(str, codes))}) |" + " |" * 9)
+            continue
+        curves = [accuracy(steps) for steps in seeds.values()]
+        start, end = [accuracy(steps[:SMOOTHING])[-1] for steps in seeds.values()], [c[-1] for c in curves]
+        hits = [(i, minutes(steps)[i]) for steps in seeds.values() if (i := reached(steps, target)) is not None]
+        step_s = [statistics.mean(s["wall_s"] for s in steps) for steps in seeds.values()]
+        own = _minutes_to_target(seeds, target)
+        in_band = "-"
+        if system != BASELINE and runs.get(BASELINE):
+            in_band = f"{share_in_band(curves, [accuracy(s) for s in runs[BASELINE].values()]):.0%}"
+        lines.append(
+            f"| {system} | {len(seeds)} | {_spread(step_s, '.2f')} | {_spread(start, '.1%')} | {_spread(end, '.1%')}"
+            f" | {statistics.mean(end) * 100 - statistics.mean(start) * 100:+.1f} | {len(hits)}/{len(seeds)}"
+            f" | {_spread([i + 1 for i, _ in hits], '.0f')} | {_spread([m for _, m in hits], '.1f')}"
+            f" | {f'{own / base_minutes:.2f}x' if own and base_minutes else '-'} | {in_band} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _minutes_to_target(seeds: dict, target: float):
+    """The mean over the seeds of the minutes to the target, if every seed reached it."""
+    hits = [reached(steps, target) for steps in seeds.values()]
+    if not seeds or None in hits:
+        return None
+    return statistics.mean(minutes(steps)[i] for steps, i in zip(seeds.values(), hits))
+
+
+def _spread(values: list, spec: str) -> str:
+    if not values:
+        return "-"
+    mean = format(statistics.mean(values), spec)
+    if len(values) == 1:
+        return mean
+    return f"{mean} ({format(min(values), spec)}-{format(max(values), spec)})"
+
+
+def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
+    """Accuracy against step and against wall-clock minutes: per system the mean over the seeds, and a band
+    from the lowest to the highest seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    runs = {system: seeds for system, seeds in runs_by_system(results).items() if seeds}
+    target = results["task"]["target"]
+    for path, by_time in ((by_step_path, False), (by_time_path, True)):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for system, seeds in runs.items():
+            curves = [accuracy(steps) for steps in seeds.values()]
+            if by_time:
+                # Seeds' steps end at different times: each curve on a common grid, where every seed has steps.
+                ends = [minutes(steps) for steps in seeds.values()]
+                grid = np.linspace(max(m[0] for m in ends), min(m[-1] for m in ends), 200)
+                curves = [np.interp(grid, m, c) for m, c in zip(ends, curves)]
+                x = grid
+            else:
+                x = np.arange(1, min(len(c) for c in curves) + 1)
+            low, mean, high = band(curves)
+            (line,) = ax.plot(x, mean, label=f"{system} ({len(curves)} seeds)")
+            ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
+        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.0%}")
+        ax.set_xlabel("wall-clock minutes from the first step" if by_time else "PPO step")
+        ax.set_ylabel(f"accuracy of sampled responses ({SMOOTHING}-step mean)")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8, loc="lower right")
+        settings = results["settings"]
+        gpus = results["machine"]["gpus"]
+        ax.set_title(
+            f"{results['task']['name']}, {settings['shape']}, {len(gpus)}x {gpus[0] if gpus else 'CPU'},"
+            f" {settings['placement']}: mean and range over seeds",
+            fontsize=9,
+        )
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)

@@ -1,0 +1,191 @@
+"""Supervised warm-up for the learning benchmark: a Qwen2-shaped model learns the addition task part of the way.
+
+    python -m openrlhf_oppo.bench.warmup --out DIR [--shape small] [--target 0.3]
+
+Plain PyTorch, on the GPU if there is one, else the CPU. A random-init model of a ``tiny.SHAPES`` shape and the
+byte-level benchmark tokenizer (no downloads) is trained on fresh sums every step (``addition.problems``, loss
+on the response only) and stops once its greedy accuracy on held-out sums reaches ``target``: a model that
+gets some sums right and many wrong, which PPO can improve. It writes ``DIR/models/actor`` (the policy and
+reference), ``DIR/models/reward`` (the actor's body with a fresh value head: the critic's starting point, as
+``tiny.make_checkpoints`` builds it) and ``DIR/warmup.json`` (accuracy per evaluation, steps, seconds). A
+second run with the same settings reuses them.
+"""
+
+import argparse
+import json
+import os
+import time
+
+from openrlhf_oppo import tiny
+from openrlhf_oppo.bench import addition
+
+# Seeds of the sums: the training draws and the held-out set use their own, apart from the PPO prompts'.
+TRAIN_SEED, HELDOUT_SEED = 10**7, 10**7 - 1
+
+
+def warm_up(
+    workdir: str,
+    shape: str = "small",
+    target: float = 0.3,
+    seed: int = 0,
+    digits: dict = None,
+    batch: int = 256,
+    lr: float = 5e-4,
+    max_steps: int = 20000,
+    eval_every: int = 100,
+    heldout: int = 256,
+    dtype: str = "bfloat16",
+) -> dict:
+    """Train until the held-out greedy accuracy reaches ``target`` (or ``max_steps``), save, return the summary."""
+    settings = dict(
+        shape=shape, target=target, seed=seed, digits=dict(addition.DIGITS, **(digits or {})), batch=batch, lr=lr
+    )
+    settings.update(max_steps=max_steps, eval_every=eval_every, heldout=heldout, dtype=dtype)
+    summary_path = os.path.join(workdir, "warmup.json")
+    if os.path.exists(summary_path):
+        with open(summary_path) as f:
+            summary = json.load(f)
+        if summary["settings"] == settings:
+            print(f"[warm-up] reusing {workdir}/models: held-out accuracy {summary['accuracy']:.1%}", flush=True)
+            return summary
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    actor_dir, reward_dir = os.path.join(workdir, "models", "actor"), os.path.join(workdir, "models", "reward")
+    os.makedirs(actor_dir, exist_ok=True)
+    tiny.make_tokenizer(actor_dir, tiny.SHAPES[shape]["vocab_size"])
+    tokenizer = AutoTokenizer.from_pretrained(actor_dir)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(tiny.qwen2_config(shape)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup_steps = min(100, max_steps // 10 + 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))
+    tests = addition.problems(heldout, seed + HELDOUT_SEED, **settings["digits"])
+    # Greedy responses stop a little past the longest right one: one longer than that is not a chain of carries.
+    max_new_tokens = max(len(addition.solution(a, b)) for a, b in tests) + 8
+    print(
+        f"[warm-up] {shape} model ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters) on {device},"
+        f" until greedy accuracy on {heldout} held-out sums reaches {target:.0%}",
+        flush=True,
+    )
+
+    started, history, accuracy, step = time.time(), [], 0.0, 0
+    while step < max_steps and accuracy < target:
+        model.train()
+        for _ in range(eval_every):
+            pairs = addition.problems(batch, (seed + 1) * TRAIN_SEED + step, **settings["digits"])
+            loss = _loss(model, *_batch(tokenizer, pairs, device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+        accuracy = greedy_accuracy(model, tokenizer, tests, max_new_tokens, device)
+        history.append(dict(step=step, loss=loss.item(), accuracy=accuracy, seconds=time.time() - started))
+        print(
+            f"[warm-up] step {step}: loss {loss.item():.3f}, held-out accuracy {accuracy:.1%}"
+            f" ({time.time() - started:.0f} s)",
+            flush=True,
+        )
+
+    tiny.save_causal_lm(model, actor_dir, dtype)
+    tiny.save_value_model(actor_dir, reward_dir, dtype)
+    # The accuracy of what was saved (rounded through bfloat16), which is what PPO starts from.
+    saved = Qwen2ForCausalLM.from_pretrained(actor_dir, torch_dtype=torch.float32).to(device)
+    summary = dict(
+        settings=settings,
+        steps=step,
+        seconds=time.time() - started,
+        accuracy=greedy_accuracy(saved, tokenizer, tests, max_new_tokens, device),
+        reached_target=accuracy >= target,
+        history=history,
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    )
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=1)
+    if not summary["reached_target"]:
+        print(f"[warm-up] stopped at {max_steps} steps below the target accuracy {target:.0%}", flush=True)
+    print(f"[warm-up] saved {actor_dir}: held-out accuracy {summary['accuracy']:.1%}", flush=True)
+    return summary
+
+
+def _batch(tokenizer, pairs, device):
+    """Prompt + response + end of text, right-padded; labels only on the response and its end of text."""
+    import torch
+
+    prompts = [tokenizer(addition.prompt(a, b), add_special_tokens=False)["input_ids"] for a, b in pairs]
+    responses = [tokenizer(addition.solution(a, b), add_special_tokens=False)["input_ids"] for a, b in pairs]
+    eos = tokenizer.eos_token_id
+    width = max(len(p) + len(r) + 1 for p, r in zip(prompts, responses))
+    ids = torch.full((len(pairs), width), eos, dtype=torch.long)
+    labels = torch.full((len(pairs), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(pairs), width), dtype=torch.long)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        sequence = p + r + [eos]
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        labels[row, len(p) : len(sequence)] = torch.tensor(r + [eos])
+        mask[row, : len(sequence)] = 1
+    return ids.to(device), labels.to(device), mask.to(device)
+
+
+def _loss(model, ids, labels, mask):
+    import torch
+
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+        return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def greedy_accuracy(model, tokenizer, pairs, max_new_tokens: int, device, batch: int = 256) -> float:
+    """The share of ``pairs`` whose greedy response gives the right sum and ends (``addition.answer``)."""
+    import torch
+
+    model.eval()
+    tokenizer.padding_side = "left"
+    correct = 0
+    for start in range(0, len(pairs), batch):
+        chunk = pairs[start : start + batch]
+        inputs = tokenizer([addition.prompt(a, b) for a, b in chunk], return_tensors="pt", padding=True).to(device)
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            out = model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        for (a, b), ids in zip(chunk, out[:, inputs["input_ids"].shape[1] :].tolist()):
+            if tokenizer.eos_token_id in ids:  # up to the first end of text: what follows is padding
+                ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
+            correct += addition.answer(tokenizer.decode(ids)) == str(a + b)
+    return correct / len(pairs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="the workload folder (models/ and warmup.json go there)")
+    parser.add_argument("--shape", default="small", choices=sorted(tiny.SHAPES))
+    parser.add_argument("--target", type=float, default=0.3, help="held-out greedy accuracy at which to stop")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--max_steps", type=int, default=20000)
+    parser.add_argument("--eval_every", type=int, default=100)
+    args = parser.parse_args()
+    summary = warm_up(
+        args.out,
+        args.shape,
+        args.target,
+        args.seed,
+        batch=args.batch,
+        lr=args.lr,
+        max_steps=args.max_steps,
+        eval_every=args.eval_every,
+    )
+    print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The learning benchmark's parts: the addition task and its rule reward as OpenRLHF loads it, the warm-up's
+cache, and the convergence table and plots on known curves. (End to end on CPU: ``test_learning_cpu.py``.)"""
+
+import json
+import os
+
+import pytest
+
+from openrlhf_oppo import tiny
+from openrlhf_oppo.bench import addition, learning_report, report, warmup
+
+
+def test_the_response_is_a_chain_of_carries_then_the_answer():
+    assert addition.prompt(5821, 967) == "5821+967="
+    assert addition.solution(5821, 967) == "1+7+0=08,2+6+0=08,8+9+0=17,5+0+1=06;6788"
+    assert addition.solution(99, 1) == "9+1+0=10,9+0+1=10;100"
+    for a, b in addition.problems(200, seed=5):
+        assert addition.answer(addition.solution(a, b) + addition.EOS) == str(a + b)
+
+
+def test_response_lengths_are_long_tailed(tmp_path):
+    workload = addition.write_prompts(str(tmp_path / "prompts.jsonl"), 4096, seed=0)
+    assert 50 < workload["mean_length"] < 70
+    assert workload["max_length"] > 3 * workload["mean_length"]  # a few sums are far longer than most
+    first = json.loads((tmp_path / "prompts.jsonl").read_text().splitlines()[0])
+    a, b = map(int, first["input"].rstrip("=").split("+"))
+    assert first["answer"] == str(a + b)
+
+
+def test_openrlhf_loads_the_rule_reward_by_path_and_it_scores_the_decoded_responses(tmp_path):
+    """``--reward.remote_url .../addition.py``: upstream's executor imports the file and calls ``reward_func`` on
+    prompt + response decoded with the special tokens; only a right answer at the end of a finished response
+    scores."""
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+    from transformers import AutoTokenizer
+
+    tiny.make_tokenizer(str(tmp_path), 2048)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    executor = SingleTurnAgentExecutor([addition.__file__])
+    prompt, right = addition.prompt(5821, 967), addition.solution(5821, 967)
+    eos = [tokenizer.eos_token_id]
+    responses = [
+        tokenizer.encode(right) + eos,  # right
+        tokenizer.encode(right.replace(";6788", ";6789")) + eos,  # wrong answer
+        tokenizer.encode(right),  # cut off before its end (the length limit)
+        tokenizer.encode(right.replace("=17", "=16")) + eos,  # a slip in the chain, the answer still right
+        tokenizer.encode(right + ",0") + eos,  # not ending with the answer
+    ]
+    queries = [tokenizer.decode(tokenizer.encode(prompt) + ids, skip_special_tokens=False) for ids in responses]
+    out = executor.reward_func(queries, [prompt] * len(queries), ["6788"] * len(queries))
+    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_warm_up_is_cached_with_its_settings(tmp_path):
+    options = dict(digits=dict(mean=1.5, high=2), batch=8, max_steps=4, eval_every=2, heldout=8, dtype="float32")
+    first = warmup.warm_up(str(tmp_path), "tiny", 0.9, **options)
+    actor = tmp_path / "models" / "actor" / "model.safetensors"
+    assert first["steps"] == 4 and not first["reached_target"]  # 4 steps cannot reach 90%: stopped at max_steps
+    assert (tmp_path / "models" / "reward" / "config.json").exists()
+    saved_at = os.path.getmtime(actor)
+    assert warmup.warm_up(str(tmp_path), "tiny", 0.9, **options) == first
+    assert os.path.getmtime(actor) == saved_at  # reused, not trained again
+    second = warmup.warm_up(str(tmp_path), "tiny", 0.9, **dict(options, max_steps=2))  # other settings: trained anew
+    assert second["steps"] == 2
+
+
+def _steps(rewards, seconds_per_step):
+    return [
+        {"step": i + 1, "start": i * seconds_per_step, "end": (i + 1) * seconds_per_step,
+         "wall_s": seconds_per_step, "rollout/reward_mean": reward}
+        for i, reward in enumerate(rewards)
+    ]  # fmt: skip
+
+
+def _results(curves):
+    """Results as ``learning.run`` writes them, for curves {(system, seed): (rewards, seconds per step)}."""
+    return dict(
+        command="python -m openrlhf_oppo.bench --task addition",
+        machine=dict(gpus=["NVIDIA H200"]),
+        settings=dict(placement="split", shape="small", batch=32, n_samples=8, steps=10, warmup=0),
+        task=dict(
+            name="addition",
+            target=0.75,
+            warmup=dict(steps=1000, seconds=90, accuracy=0.3, device="NVIDIA H200"),
+            prompts=dict(digits=dict(mean=6, high=20), mean_length=60, p90_length=121, max_length=202),
+        ),
+        systems={
+            f"{system}-seed{seed}": dict(
+                system=system, seed=seed, warmup_accuracy=0.3, steps=_steps(rewards, seconds), returncode=0
+            )
+            for (system, seed), (rewards, seconds) in curves.items()
+        },
+    )
+
+
+RISING = [0.1 * i for i in range(1, 11)]  # its 3-step mean reaches the target, 0.75, at step 9 (0.8)
+
+
+def test_convergence_table_times_the_target_and_checks_the_band(tmp_path):
+    results = _results(
+        {
+            ("upstream-sync", 0): (RISING, 60),
+            ("upstream-sync", 1): ([r + 0.02 for r in RISING], 60),  # the band: 0 to 0.02 above RISING
+            ("oppo-both", 0): ([r + 0.01 for r in RISING], 30),  # in the band, twice as fast
+            ("oppo-both", 1): ([r + 0.01 for r in RISING], 30),
+            ("oppo-both-keep", 0): ([r / 2 for r in RISING], 30),  # below the band, never at the target
+        }
+    )
+    failed = dict(system="upstream-async", seed=0, warmup_accuracy=0.3, steps=[], returncode=1)
+    results["systems"]["upstream-async-seed0"] = failed
+    rows = {
+        line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+        for line in report.table(results).splitlines()
+        if line.startswith("| ") and not line.startswith("| system")
+    }
+    # seeds, step (s), start, end, rise, seeds at target, step, minutes, vs sync, in sync's band
+    assert rows["upstream-sync"] == [
+        "2", "60.00 (60.00-60.00)", "21.0% (20.0%-22.0%)", "91.0% (90.0%-92.0%)", "+70.0", "2/2", "9 (9-9)",
+        "9.0 (9.0-9.0)", "1.00x", "-",
+    ]  # fmt: skip
+    assert rows["oppo-both"][5:] == ["2/2", "9 (9-9)", "4.5 (4.5-4.5)", "0.50x", "100%"]
+    assert rows["oppo-both-keep"][5:] == ["0/1", "-", "-", "-", "0%"]
+    assert rows["upstream-async"][0] == "failed (rc 1)"
+    assert report.is_convergence(results)
+
+    report.write(results, str(tmp_path))
+    assert (tmp_path / "table.md").read_text() == report.table(results)
+    for plot in ("accuracy-by-step.png", "accuracy-by-time.png"):
+        assert (tmp_path / plot).stat().st_size > 0
+
+
+def test_the_band_is_the_baseline_seeds_range_step_by_step():
+    baseline = [[0.1, 0.2, 0.3], [0.3, 0.4, 0.5]]
+    assert learning_report.band(baseline) == ([0.1, 0.2, 0.3], pytest.approx([0.2, 0.3, 0.4]), [0.3, 0.4, 0.5])
+    assert learning_report.share_in_band([[0.2, 0.5, 0.4]], baseline) == pytest.approx(2 / 3)
+    assert learning_report.accuracy(_steps([0.0, 0.3, 0.6, 0.9], 1)) == pytest.approx([0.0, 0.15, 0.3, 0.6])
