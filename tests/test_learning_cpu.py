@@ -9,6 +9,7 @@ It makes no claim about learning: on CPU the training step is a stand-in that le
 import json
 
 import pytest
+import torch
 
 from openrlhf_oppo.bench import learning, learning_report, warmup
 from openrlhf_oppo.bench.__main__ import header
@@ -31,10 +32,12 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
             "--target", "0.05", "--out", str(out),
         ]
     )  # fmt: skip
-    runner = CPURunner()
+    runner, threads = CPURunner(), torch.get_num_threads()
+    torch.set_num_threads(1)  # the warm-up's small matrices: faster on one thread beside Ray and vLLM
     try:
         results = learning.run(args, runner, header(), warmup_options=WARMUP)
     finally:
+        torch.set_num_threads(threads)
         runner.close()
 
     # The warm-up reached a measurable accuracy on held-out sums, and a second run reuses its checkpoint.
