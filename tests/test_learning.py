@@ -104,6 +104,7 @@ def test_convergence_table_times_the_target_and_checks_the_band(tmp_path):
             ("oppo-both", 0): ([r + 0.01 for r in RISING], 30),  # in the band, twice as fast
             ("oppo-both", 1): ([r + 0.01 for r in RISING], 30),
             ("oppo-both-keep", 0): ([r / 2 for r in RISING], 30),  # below the band, never at the target
+            ("oppo-both-keep", 1): ([], 30),  # failed
         }
     )
     failed = dict(system="upstream-async", seed=0, warmup_accuracy=0.3, steps=[], returncode=1)
@@ -119,7 +120,7 @@ def test_convergence_table_times_the_target_and_checks_the_band(tmp_path):
         "9.0 (9.0-9.0)", "1.00x", "-",
     ]  # fmt: skip
     assert rows["oppo-both"][5:] == ["2/2", "9 (9-9)", "4.5 (4.5-4.5)", "0.50x", "100%"]
-    assert rows["oppo-both-keep"][5:] == ["0/1", "-", "-", "-", "0%"]
+    assert rows["oppo-both-keep"][0] == "1 of 2" and rows["oppo-both-keep"][5:] == ["0/1", "-", "-", "-", "0%"]
     assert rows["upstream-async"][0] == "failed (rc 1)"
     assert report.is_convergence(results)
 

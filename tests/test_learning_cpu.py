@@ -28,7 +28,7 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
             "--task", "addition", "--systems", "upstream-sync,oppo-both", "--seeds", "0",
             "--gpus", "2", "--placement", "split", "--shape", "tiny",
             "--batch", str(BATCH), "--n_samples", str(N_SAMPLES), "--steps", str(STEPS), "--overcommit", "1",
-            "--warmup_target", "0.05", "--warmup_max_steps", "400", "--digits_mean", "1.5", "--digits_high", "2",
+            "--warmup_target", "0.1", "--warmup_max_steps", "600", "--digits_mean", "1.5", "--digits_high", "2",
             "--target", "0.05", "--out", str(out),
         ]
     )  # fmt: skip
@@ -44,7 +44,7 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
     warm = results["task"]["warmup"]
     assert warm["reached_target"] and warm["accuracy"] > 0, warm["history"]
     again = warmup.warm_up(
-        str(out / "workload"), "tiny", 0.05, 0, dict(mean=1.5, high=2), max_steps=400, **WARMUP
+        str(out / "workload"), "tiny", 0.1, 0, dict(mean=1.5, high=2), max_steps=600, **WARMUP
     )  # fmt: skip
     assert again == warm
 
@@ -54,6 +54,9 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
         assert len(steps) == STEPS + 2
         assert sum(s["rollout/num_samples"] for s in steps) == (STEPS + 2) * BATCH * N_SAMPLES
         assert all(0 <= s["rollout/reward_mean"] <= 1 for s in steps)
+    # Some sampled responses of the warmed-up model are right and scored so (the rule reads the end of text that
+    # vLLM's response ends with); with the engine's seed the same ones every time.
+    assert max(s["rollout/reward_mean"] for r in results["systems"].values() for s in r["steps"]) > 0
     oppo = results["systems"]["oppo-both-seed0"]["steps"]
     assert all(s["oppo/fallback_micro_batches"] == 0 for s in oppo)  # the policy and reference streamed
     assert max(s["oppo/carried_groups"] for s in oppo) <= 1

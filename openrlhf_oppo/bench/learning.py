@@ -6,7 +6,7 @@
    learning until its greedy accuracy on held-out sums reaches ``--warmup_target``; cached in the workload folder.
 2. PPO from that checkpoint with the task's rule reward (1 for a right answer, so the mean reward is the
    accuracy of the sampled responses), for every system of ``--systems`` and every seed of ``--seeds``
-   (``--train.seed``: vLLM's sampling, the prompt order, the models' initialisation), ``--steps`` steps each,
+   (``--train.seed``: vLLM's sampling and the prompt order), ``--steps`` steps each,
    one run after the other, each a ``train_ppo_ray`` process as in the speed benchmark (``__main__.run_system``).
    Responses end where the model ends them: no ``--bench.lengths_from_label``.
 3. ``results.json`` after each run, then ``table.md`` (accuracy at the start and end, its rise, the step and
@@ -24,6 +24,7 @@ import shutil
 
 from tqdm import tqdm
 
+from openrlhf_oppo import tiny
 from openrlhf_oppo.bench import addition, report, warmup
 from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
 from openrlhf_oppo.bench.systems import SYSTEMS, cluster_flags, system_flags
@@ -39,12 +40,12 @@ def parse(argv=None):
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated --train.seed values, one run each")
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--placement", choices=["split", "colocated"], default="split")
-    parser.add_argument("--shape", default="small", help="the model's shape (tiny.SHAPES)")
+    parser.add_argument("--shape", default="small", choices=sorted(tiny.SHAPES), help="the model's shape")
     parser.add_argument("--batch", type=int, default=32, help="--rollout.batch_size (prompt groups per step)")
     parser.add_argument("--n_samples", type=int, default=8, help="samples per prompt (group_norm's group)")
     parser.add_argument("--steps", type=int, default=60, help="PPO steps per run")
     parser.add_argument("--overcommit", type=int, default=None, help="Delta for the OPPO systems (default B/4)")
-    parser.add_argument("--lr", type=float, default=2e-5, help="the policy's learning rate in PPO")
+    parser.add_argument("--lr", type=float, default=5e-5, help="the policy's learning rate in PPO")
     parser.add_argument("--target", type=float, default=0.8, help="the accuracy the convergence table times")
     parser.add_argument("--warmup_target", type=float, default=0.3, help="held-out greedy accuracy to stop at")
     parser.add_argument("--warmup_max_steps", type=int, default=20000)
@@ -52,7 +53,7 @@ def parse(argv=None):
     parser.add_argument("--digits_high", type=int, default=addition.DIGITS["high"])
     parser.add_argument("--seed", type=int, default=0, help="the warm-up's and the prompts' seed")
     parser.add_argument("--cache_budget_gb", type=float, default=2.0)
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run before it is stopped")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per run before it is stopped")
     parser.add_argument("--extra", action="append", default=[], help="a train_ppo_ray flag for every run (repeat)")
     parser.add_argument(
         "--upstream_patches", action="store_true", help="run every system on OpenRLHF with patches/openrlhf applied"

@@ -84,9 +84,10 @@ def table(results: dict) -> str:
     ]
     base_minutes = _minutes_to_target(runs.get(BASELINE, {}), target)
     for system, seeds in runs.items():
+        attempted = [r for r in results["systems"].values() if r["system"] == system]
         if not seeds:
-            codes = sorted({r.get("returncode") for r in results["systems"].values() if r["system"] == system})
-            lines.append(f"| {system} | failed (rc {', '.join(map(str, codes))}) |" + " |" * 9)
+            codes = sorted({str(r.get("returncode")) for r in attempted})
+            lines.append(f"| {system} | failed (rc {', '.join(codes)}) |" + " |" * 9)
             continue
         curves = [accuracy(steps) for steps in seeds.values()]
         start, end = [accuracy(steps[:SMOOTHING])[-1] for steps in seeds.values()], [c[-1] for c in curves]
@@ -97,7 +98,8 @@ def table(results: dict) -> str:
         if system != BASELINE and runs.get(BASELINE):
             in_band = f"{share_in_band(curves, [accuracy(s) for s in runs[BASELINE].values()]):.0%}"
         lines.append(
-            f"| {system} | {len(seeds)} | {_spread(step_s, '.2f')} | {_spread(start, '.1%')} | {_spread(end, '.1%')}"
+            f"| {system} | {len(seeds)}{f' of {len(attempted)}' if len(attempted) > len(seeds) else ''}"
+            f" | {_spread(step_s, '.2f')} | {_spread(start, '.1%')} | {_spread(end, '.1%')}"
             f" | {statistics.mean(end) * 100 - statistics.mean(start) * 100:+.1f} | {len(hits)}/{len(seeds)}"
             f" | {_spread([i + 1 for i, _ in hits], '.0f')} | {_spread([m for _, m in hits], '.1f')}"
             f" | {f'{own / base_minutes:.2f}x' if own and base_minutes else '-'} | {in_band} |"

@@ -42,7 +42,8 @@ def warm_up(
     )
     settings.update(max_steps=max_steps, eval_every=eval_every, heldout=heldout, dtype=dtype)
     summary_path = os.path.join(workdir, "warmup.json")
-    if os.path.exists(summary_path):
+    actor_dir, reward_dir = os.path.join(workdir, "models", "actor"), os.path.join(workdir, "models", "reward")
+    if os.path.exists(summary_path) and os.path.exists(os.path.join(reward_dir, "config.json")):
         with open(summary_path) as f:
             summary = json.load(f)
         if summary["settings"] == settings:
@@ -53,7 +54,6 @@ def warm_up(
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    actor_dir, reward_dir = os.path.join(workdir, "models", "actor"), os.path.join(workdir, "models", "reward")
     os.makedirs(actor_dir, exist_ok=True)
     tiny.make_tokenizer(actor_dir, tiny.SHAPES[shape]["vocab_size"])
     tokenizer = AutoTokenizer.from_pretrained(actor_dir)
@@ -94,7 +94,7 @@ def warm_up(
     tiny.save_causal_lm(model, actor_dir, dtype)
     tiny.save_value_model(actor_dir, reward_dir, dtype)
     # The accuracy of what was saved (rounded through bfloat16), which is what PPO starts from.
-    saved = Qwen2ForCausalLM.from_pretrained(actor_dir, torch_dtype=torch.float32).to(device)
+    saved = Qwen2ForCausalLM.from_pretrained(actor_dir, dtype=torch.float32).to(device)
     summary = dict(
         settings=settings,
         steps=step,
