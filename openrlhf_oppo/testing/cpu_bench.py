@@ -18,8 +18,8 @@ from openrlhf_oppo.testing import cpu_pipeline
 
 
 class CPURunner:
-    """``runner(name, flags, args) -> result``. One engine for every run, started with the first run's
-    policy checkpoint and reward; each run gets fresh model actors, and the engine back at weight version 0."""
+    """``runner(name, flags, args) -> result``. One engine for every run, started with the first run's policy
+    checkpoint, rule reward and seed; each run gets fresh model actors, and the engine back at weight version 0."""
 
     SYSTEMS = ("upstream-sync", "oppo-intra", "oppo-inter", "oppo-both", "oppo-both-keep")  # no async trainer
 
