@@ -231,9 +231,10 @@ class StreamCoordinator:
                 f"{', '.join(silent[:3])} did not answer within {self.timeout_s:g} s while {phase} "
                 "(--oppo.call_timeout_s)"
             ) from None
-        except (RayActorError, RayTaskError) as error:
-            what = "died" if isinstance(error, RayActorError) else "failed"
-            raise OPPOActorError(f"{_failed_call(calls)} {what} while {phase}: {_first_line(error)}") from None
+        except RayActorError as error:
+            raise OPPOActorError(f"{_failed_call(calls)} died while {phase}: {_first_line(error)}") from None
+        except RayTaskError as error:  # the call raised: keep its traceback for the log
+            raise OPPOActorError(f"{_failed_call(calls)} failed while {phase}: {_first_line(error)}") from error
 
 
 def _uids_by_rank(role: str, infos: Iterable[Optional[StreamInfo]]) -> Dict[int, List[str]]:
@@ -258,5 +259,7 @@ def _failed_call(calls) -> str:
 
 
 def _first_line(error: Exception) -> str:
+    """The error's own message: for a call that raised, its exception's (Ray's wrapper starts with the call)."""
+    error = getattr(error, "cause", None) or error
     text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

@@ -84,3 +84,19 @@ def test_the_cli_names_an_actor_that_died_under_the_trainer(ray_session):
     assert "\n" not in line
     assert failure_line(ValueError("not an actor's death")) is None
     ray.kill(caller)
+
+
+@ray.remote
+class _BrokenScorer:
+    def oppo_stats(self):
+        raise MemoryError("CUDA out of memory (a stand-in for a scorer's own failure)")
+
+
+def test_a_call_that_raises_is_named_with_its_error(ray_session):
+    broken = _BrokenScorer.remote()
+    coordinator = StreamCoordinator([], {"policy": _Group([broken])})
+    with pytest.raises(
+        OPPOActorError, match=r"policy rank 0 failed while reading scorer stats: MemoryError: CUDA out"
+    ):
+        coordinator.stats()
+    ray.kill(broken)
