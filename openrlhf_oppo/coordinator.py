@@ -19,7 +19,9 @@ One step, in call order (``docs/design.md`` draws it):
 7. ``stats``, ``set_chunk_size``, ``drain_traces`` once a step.
 """
 
+import re
 import time
+from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import ray
@@ -30,6 +32,22 @@ from openrlhf_oppo.protocol import ROLES, ScoredSequence, ScorerStats, StreamInf
 
 class OPPOActorError(RuntimeError):
     """A rollout or scoring actor died or stopped answering; the message names it and the phase."""
+
+
+@contextmanager
+def phase(what: str):
+    """Name the actor that dies while the trainer is ``what`` (training, the weight sync, ...): Ray's own
+    error names the call that found it, deep inside upstream's code."""
+    try:
+        yield
+    except RayActorError as error:
+        raise OPPOActorError(f"{dead_actor(error)} died while {what}: {_first_line(error)}") from None
+
+
+def dead_actor(error: BaseException) -> str:
+    """The class of the actor a Ray error says died."""
+    found = re.search(r"class_name: (\S+)", str(getattr(error, "cause", None) or error))
+    return found.group(1) if found else "a Ray actor"
 
 
 class StreamCoordinator:

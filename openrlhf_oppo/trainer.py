@@ -15,7 +15,7 @@ from openrlhf.trainer.ppo_trainer import PPOTrainer
 from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_oppo.config import describe
-from openrlhf_oppo.coordinator import StreamCoordinator
+from openrlhf_oppo.coordinator import StreamCoordinator, phase
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
@@ -211,7 +211,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         return metrics
 
     def ppo_train(self, global_steps):
-        with self.tracer.span("ppo_train", track="trainer"):
+        with self.tracer.span("ppo_train", track="trainer"), phase("training"):
             return super().ppo_train(global_steps)
 
     def broadcast_to_vllm(self) -> None:
@@ -219,7 +219,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         around it, or only to load the new weights that they received while decoding (``--oppo.weight_sync``)."""
         oppo = self.args.oppo
         self.policy_version += 1
-        with self.tracer.span("weight_sync", track="trainer"):
+        with self.tracer.span("weight_sync", track="trainer"), phase("syncing the weights to vLLM"):
             self.weight_sync_metrics = self.coordinator.sync_weights(
                 super().broadcast_to_vllm,
                 staged=SyncPlan.from_args(self.args).staged,
@@ -237,7 +237,8 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             client_states["episode"] = self.samples_generator.episodes_done
         if client_states is not None and isinstance(self.samples_generator, OvercommitSamplesGenerator):
             client_states["overcommit_sampler"] = self.samples_generator.state_dict()
-        super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        with phase("saving the logs and checkpoints"):
+            super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
 
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()

@@ -20,7 +20,7 @@ import sys
 from contextlib import contextmanager
 
 from openrlhf_oppo import compat, config, extension
-from openrlhf_oppo.coordinator import OPPOActorError
+from openrlhf_oppo.coordinator import OPPOActorError, dead_actor
 
 UPSTREAM = "openrlhf.cli.train_ppo_ray"
 
@@ -115,12 +115,10 @@ def failure_line(error: BaseException):
         return str(error)
     if not isinstance(error, ray.exceptions.RayActorError):
         return None
-    text = str(error)
-    actor = re.search(r"class_name: (\S+)", text)
-    reason = [line for line in text.splitlines() if line.startswith("The actor is dead")]
+    reason = [line for line in str(error).splitlines() if line.startswith("The actor is dead")]
     call = re.search(r"ray::([\w.]+)\(\)", str(outer))
     return (
-        f"{actor.group(1) if actor else 'a Ray actor'} died"
+        f"{dead_actor(error)} died"
         + (f" while {call.group(1)} waited on it" if call else "")
         + (f": {reason[0]}" if reason else "")
     )

@@ -333,8 +333,10 @@ class CPUPipeline:
             self.engines,
             **self.generate_kwargs(),
         )
-        ray.get(trainer.fit.remote())
-        ray.kill(trainer)
+        try:
+            ray.get(trainer.fit.remote())
+        finally:
+            ray.kill(trainer)
 
     def generate_kwargs(self):
         args = self.args

@@ -1,0 +1,97 @@
+"""A run whose rollout or scoring actor dies ends within a bound, with one line that names the actor and the
+call that found it, and leaves no checkpoint that a resume would trust but is incomplete.
+
+OPPOTrainer runs on CPU (a real vLLM engine, real scoring models, upstream's PPOTrainer.fit) and kills one of
+its actors as a phase of the step begins."""
+
+import os
+import re
+import time
+
+import pytest
+import ray
+import torch
+
+from openrlhf_oppo import tiny
+from openrlhf_oppo.cli.train_ppo_ray import failure_line
+from openrlhf_oppo.testing import cpu_pipeline
+
+pytestmark = pytest.mark.engine
+
+# phase: (the OPPOTrainer method that begins it, the role whose actor dies there, what the line names: a regex)
+PHASES = {
+    "make_experience": ("train_step", "reward", "died while"),
+    "training": ("ppo_train", "critic", "CPUCriticModelActor died while training"),
+    # Ray kills asynchronously: the sync or, if the actor is still up then, the next call names it
+    "weight_sync": ("broadcast_to_vllm", "policy", r"(CPUPolicyModelActor|policy rank 0) died while"),
+    "checkpoint": ("save_logs_and_checkpoints", "policy", "CPUPolicyModelActor died while saving the logs"),
+}
+BOUND_S = 60
+
+
+def _killing_trainer(method: str, role: str, at_step: int, killed_at: str):
+    """OPPOTrainer that kills ``role``'s actor when ``method`` begins in step ``at_step`` and writes the time to
+    ``killed_at`` (built in a function so that Ray pickles the class by value for the trainer's process)."""
+    from openrlhf_oppo.trainer import OPPOTrainer
+
+    class Killing(OPPOTrainer):
+        def _maybe_kill(self):
+            if self.policy_version + 1 >= at_step:
+                group = dict(
+                    policy=self.actor_model_group, critic=self.critic_model_group, reward=self.reward_model_group
+                )
+                for handle in group[role]._actor_handlers:
+                    ray.kill(handle)
+                with open(killed_at, "w") as f:
+                    f.write(str(time.time()))
+
+        def __getattribute__(self, name):
+            attribute = super().__getattribute__(name)
+            if name != method:
+                return attribute
+
+            def killing_first(*args, **kwargs):
+                self._maybe_kill()
+                return attribute(*args, **kwargs)
+
+            return killing_first
+
+    return ray.remote(Killing)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_an_actor_dying_ends_the_run_with_one_line(phase, checkpoints, engine, tmp_path):
+    method, role, named = PHASES[phase]
+    prompts = str(tmp_path / "prompts.jsonl")
+    tiny.write_prompts(prompts, [5, 7, 6, 9, 4, 8, 5, 6], seed=12)
+    killed_at = tmp_path / "killed_at"
+    args = cpu_pipeline.ppo_args(
+        str(tmp_path), checkpoints["actor"], checkpoints["reward"],
+        "--data.prompt_dataset", prompts,
+        "--data.max_len", "64",
+        "--rollout.batch_size", "2",
+        "--rollout.n_samples_per_prompt", "2",
+        "--rollout.micro_batch_size", "4",
+        "--train.batch_size", "4",
+        "--train.micro_batch_size", "2",
+        "--ckpt.save_steps", "1",
+        "--oppo.enable", "--oppo.overcommit", "1", "--oppo.chunk_size", "4",
+    )  # fmt: skip
+    pipeline = cpu_pipeline.CPUPipeline(args, checkpoints["actor"], checkpoints["reward"], [engine])
+    try:
+        with pytest.raises(Exception) as raised:
+            pipeline.run_ppo(_killing_trainer(method, role, at_step=2, killed_at=str(killed_at)))
+    finally:
+        pipeline.coordinator.resume(0, resume=False)  # the shared engine starts the next test at version 0
+        pipeline.kill()
+    ended = time.time()
+    line = failure_line(raised.value)
+    print(f"{phase}: openrlhf-oppo: error: {line}")
+    assert line is not None and "\n" not in line and re.search(named, line), (line, raised.value)
+    assert ended - float(killed_at.read_text()) < BOUND_S
+    # The checkpoint a resume would load is whole: the policy died before it wrote, so 'latest' still names
+    # the previous step's checkpoint, which loads.
+    folder = os.path.join(args.ckpt.path, "_actor")
+    if os.path.exists(os.path.join(folder, "latest")):
+        tag = open(os.path.join(folder, "latest")).read()
+        assert "overcommit_sampler" in torch.load(os.path.join(folder, f"{tag}.pt"), weights_only=False)
