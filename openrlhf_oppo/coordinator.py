@@ -16,7 +16,7 @@ One step, in call order (``docs/design.md`` draws it):
    the rank that holds each sequence (``discard`` for those training dropped).
 6. ``sync_weights``: ``pause`` / ``resume`` around the weight sync, when requests outlive the step (paused
    only to load the new weights when they were staged while the engines decoded).
-7. ``stats``, ``set_chunk_size``, ``drain_traces`` once a step.
+7. ``stats``, ``memory``, ``set_chunk_size``, ``drain_traces`` once a step.
 """
 
 import re
@@ -27,7 +27,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from openrlhf_oppo.protocol import ROLES, ScoredSequence, ScorerStats, StreamInfo
+from openrlhf_oppo.protocol import ROLES, MemoryReading, ScoredSequence, ScorerStats, StreamInfo
 
 
 class OPPOActorError(RuntimeError):
@@ -167,7 +167,11 @@ class StreamCoordinator:
         """Send the queued chunks of these sequences now and wait until every prefill call has landed."""
         uids = [info.uid for info in infos if info.ranks]
         calls = self._each_engine("oppo_flush", "flushing the chunks", uids)
-        pending = [(f"a prefill call from rollout engine {i}", ref) for i, refs in enumerate(calls) for ref in refs]
+        pending = [
+            (f"{scorer} (a prefill call from rollout engine {i})", ref)
+            for i, refs in enumerate(calls)
+            for scorer, ref in refs
+        ]
         self._wait(pending, "waiting for the last chunks' prefill")
 
     def collect(self, infos: Sequence[Optional[StreamInfo]]) -> Dict[str, Dict[str, Optional[ScoredSequence]]]:
@@ -206,6 +210,20 @@ class StreamCoordinator:
         for (role, _, _), result in zip(calls, results):
             stats[role].append(result)
         return stats
+
+    def memory(self) -> Dict[str, List[MemoryReading]]:
+        """The memory each rollout actor (``rollout``) and each scoring actor (by role, per rank) holds."""
+        calls = [(f"rollout engine {i}", "rollout", e.oppo_memory.remote()) for i, e in enumerate(self.engines)]
+        calls += [
+            (f"{role} rank {rank}", role, actor.oppo_memory.remote())
+            for role in self.roles
+            for rank, actor in enumerate(self.scorers[role])
+        ]
+        readings = self._wait([(name, ref) for name, _, ref in calls], "reading memory")
+        memory = {}
+        for (_, kind, _), reading in zip(calls, readings):
+            memory.setdefault(kind, []).append(reading)
+        return memory
 
     def drain_traces(self) -> list:
         calls = [(f"rollout engine {i}", engine.oppo_drain_trace.remote()) for i, engine in enumerate(self.engines)]

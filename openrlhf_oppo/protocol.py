@@ -11,9 +11,11 @@ Messages, in the order a sequence meets them:
 * ``StreamInfo``: what the rollout actor says about a finished sample, returned with it to the trainer,
   which files it on the rollout ``Experience`` as ``experience.stream``;
 * ``ScoredSequence``: a scoring actor's result for a finished sequence, collected by the trainer;
-* ``ScorerStats``: a scoring actor's counters, once a step.
+* ``ScorerStats``: a scoring actor's counters, once a step;
+* ``MemoryReading``: the memory a rollout or scoring actor's process holds, once a step.
 """
 
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -97,3 +99,36 @@ class ScorerStats:
     cached_bytes: int
     waiting: int
     tombstones: int
+
+
+@dataclass
+class MemoryReading:
+    """The memory one actor's process holds: what its tensors take on its GPU (``memory_allocated``), what
+    PyTorch's allocator has reserved there (``memory_reserved``, 0 without CUDA), how often that allocator had
+    to free its cache to satisfy a request since the start (``num_alloc_retries``: a fragmented GPU, which
+    slows training), and its resident host memory. vLLM's own GPU memory is fixed at start
+    (``--vllm.gpu_memory_utilization``) and lives in the engine's process, not the rollout actor's."""
+
+    gpu_allocated_bytes: int
+    gpu_reserved_bytes: int
+    gpu_alloc_retries: int
+    host_bytes: int
+
+    @classmethod
+    def of_this_process(cls) -> "MemoryReading":
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return cls(
+            gpu_allocated_bytes=torch.cuda.memory_allocated() if cuda else 0,
+            gpu_reserved_bytes=torch.cuda.memory_reserved() if cuda else 0,
+            gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
+            host_bytes=_resident_bytes(),
+        )
+
+
+def _resident_bytes() -> int:
+    """This process's resident set size (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

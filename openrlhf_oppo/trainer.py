@@ -19,7 +19,7 @@ from openrlhf_oppo.coordinator import StreamCoordinator, phase
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
-from openrlhf_oppo.protocol import FROZEN_ROLES
+from openrlhf_oppo.protocol import FROZEN_ROLES, ROLES, MemoryReading
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming.chunking import ChunkSizeController
 from openrlhf_oppo.trace import Tracer, write_trace
@@ -193,6 +193,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             stats = self.coordinator.stats()  # once a step: it drains the scorers' call records
             metrics.update(self._update_chunk_size(stats))
             metrics.update(scorer_metrics(stats))
+        metrics.update(memory_metrics(self.coordinator.memory()))
         return metrics
 
     def _update_chunk_size(self, stats: dict) -> dict:
@@ -270,6 +271,24 @@ def scorer_metrics(stats: dict) -> dict:
         "oppo/scorer_evictions": most(lambda rank: rank.evictions),
         "oppo/scorer_busy_s": float(busy),
     }
+
+
+def memory_metrics(memory: dict) -> dict:
+    """The memory of every actor as ``oppo/memory/*`` metrics, in GiB, for the rank that holds most:
+    ``<kind>_host_gb`` (resident host memory) for ``trainer`` (this process), ``rollout`` and each role, and,
+    for the roles, ``<kind>_gpu_gb`` (allocated tensors: weights, optimizer states, the scorer's KV caches)
+    and ``<kind>_gpu_reserved_gb`` (PyTorch's allocator), and ``<kind>_alloc_retries`` (times the allocator had
+    to free its cache, since the start). Over a long run, a value that keeps climbing is a leak.
+    """
+    memory = dict(memory, trainer=[MemoryReading.of_this_process()])
+    metrics = {}
+    for kind, readings in memory.items():
+        metrics[f"oppo/memory/{kind}_host_gb"] = max(r.host_bytes for r in readings) / 2**30
+        if kind in ROLES:
+            metrics[f"oppo/memory/{kind}_gpu_gb"] = max(r.gpu_allocated_bytes for r in readings) / 2**30
+            metrics[f"oppo/memory/{kind}_gpu_reserved_gb"] = max(r.gpu_reserved_bytes for r in readings) / 2**30
+            metrics[f"oppo/memory/{kind}_alloc_retries"] = float(max(r.gpu_alloc_retries for r in readings))
+    return metrics
 
 
 OPPOTrainerRayActor = ray.remote(OPPOTrainer)

@@ -63,3 +63,16 @@ def test_learning_benchmark_run_is_a_valid_command(system, monkeypatch):
     if system.startswith("oppo"):
         assert args.oppo.streamed_roles == ["policy", "reference"]  # no reward model, no critic
         assert args.oppo.carry_kv == ("keep" if system == "oppo-both-keep" else "recompute")
+
+
+@pytest.mark.parametrize("system", ["upstream-sync", "upstream-async", "oppo-both"])
+def test_group_norm_benchmark_drops_the_critic(system, monkeypatch):
+    """examples/scripts/bench_2gpu_split_group_norm.sh: 4 samples a prompt, group advantages; no critic is
+    trained or streamed, and the last --algo.advantage.estimator (the script's --extra) wins."""
+    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
+    flags = common_flags("/w", "/o", system, "split", 2, 16, 4, 7, 4096, 64, 0, 2.0)
+    args = parse_args(flags + system_flags(system, "split", 8) + ["--algo.advantage.estimator", "group_norm"])
+    assert args.algo.advantage.estimator == "group_norm" and args.critic.model_name_or_path is None
+    assert args.rollout.n_samples_per_prompt == 4 and args.train.batch_size == 64
+    if system == "oppo-both":
+        assert args.oppo.streamed_roles == ["policy", "reward", "reference"] and args.oppo.overcommit == 8

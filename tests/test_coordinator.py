@@ -6,6 +6,7 @@ import pytest
 import ray
 
 from openrlhf_oppo.coordinator import OPPOActorError, StreamCoordinator
+from openrlhf_oppo.protocol import StreamInfo
 from openrlhf_oppo.testing.cpu_pipeline import ACTOR_CLASSES
 
 
@@ -50,6 +51,29 @@ def _wait_until_dead(actor):
             return
         time.sleep(0.1)
     raise AssertionError("the actor did not die")
+
+
+@ray.remote
+class _FlushingEngine:
+    """A rollout actor's side of ``flush``: its prefill calls in flight, each with the scorer it went to."""
+
+    def oppo_flush(self, uids):
+        return [("reward rank 0", self.victim.__ray_call__.remote(lambda self: time.sleep(60)))]
+
+    def aim_at(self, victim):
+        self.victim = victim
+
+
+def test_a_scorer_that_dies_under_a_prefill_call_is_named(ray_session):
+    """The last chunks' prefill calls go from the rollout actors to the scorers; the trainer waits on them."""
+    victim, engine = _SlowScorer.remote(), _FlushingEngine.remote()
+    ray.get(engine.aim_at.remote(victim))
+    coordinator = StreamCoordinator([engine], {"reward": _Group([victim])}, timeout_s=30)
+    ray.kill(victim)
+    _wait_until_dead(victim)
+    expected = r"reward rank 0 \(a prefill call from rollout engine 0\) died while waiting for the last chunks"
+    with pytest.raises(OPPOActorError, match=expected):
+        coordinator.flush([StreamInfo("s0", 3, ranks={"reward": 0})])
 
 
 def test_a_silent_actor_is_named_after_the_timeout(ray_session):

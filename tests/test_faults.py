@@ -1,13 +1,16 @@
 """A run whose rollout or scoring actor dies ends within a bound, with one line that names the actor and the
-call that found it, and leaves no checkpoint that a resume would trust but is incomplete.
+call that found it, leaves no process of the run behind, and no checkpoint that a resume would trust but is
+incomplete.
 
 OPPOTrainer runs on CPU (a real vLLM engine, real scoring models, upstream's PPOTrainer.fit) and kills one of
 its actors as a phase of the step begins."""
 
 import os
 import re
+import sys
 import time
 
+import psutil
 import pytest
 import ray
 import torch
@@ -20,13 +23,55 @@ pytestmark = pytest.mark.engine
 
 # phase: (the OPPOTrainer method that begins it, the role whose actor dies there, what the line names: a regex)
 PHASES = {
-    "make_experience": ("train_step", "reward", "died while"),
+    "make_experience": ("train_step", "reward", r"(CPURewardModelActor|reward rank 0)\b.* died while"),
     "training": ("ppo_train", "critic", "CPUCriticModelActor died while training"),
     # Ray kills asynchronously: the sync or, if the actor is still up then, the next call names it
     "weight_sync": ("broadcast_to_vllm", "policy", r"(CPUPolicyModelActor|policy rank 0) died while"),
     "checkpoint": ("save_logs_and_checkpoints", "policy", "CPUPolicyModelActor died while saving the logs"),
 }
 BOUND_S = 60
+# The processes of one run: Ray names an actor's worker after its class; multiprocessing's resource tracker
+# is what a dying actor's torch or vLLM can leave behind.
+RUN_PROCESSES = tuple(
+    f"ray::{name}"
+    for name in (
+        "Killing",
+        "CPUPolicyModelActor",
+        "CPUCriticModelActor",
+        "CPURewardModelActor",
+        "CPUReferenceModelActor",
+    )
+)
+
+
+def _alive(pid: int) -> str:
+    """The command line of a running process, or "" if it ended."""
+    try:
+        process = psutil.Process(pid)
+        return "" if process.status() == psutil.STATUS_ZOMBIE else _cmdline(process) or "?"
+    except psutil.Error:
+        return ""
+
+
+def _cmdline(process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _run_processes() -> set:
+    """The workers of the run's actors (this process's Ray cluster starts them) and the resource trackers of
+    this Python (a tracker outlives the actor that started it: it is no longer a descendant then)."""
+    workers = {
+        p.pid for p in psutil.Process().children(recursive=True) if any(n in _cmdline(p) for n in RUN_PROCESSES)
+    }
+    trackers = {
+        p.pid
+        for p in psutil.process_iter()
+        if "resource_tracker" in _cmdline(p) and _cmdline(p).startswith(sys.executable)
+    }
+    return workers | trackers
 
 
 def _killing_trainer(method: str, role: str, at_step: int, killed_at: str):
@@ -77,6 +122,7 @@ def test_an_actor_dying_ends_the_run_with_one_line(phase, checkpoints, engine, t
         "--ckpt.save_steps", "1",
         "--oppo.enable", "--oppo.overcommit", "1", "--oppo.chunk_size", "4",
     )  # fmt: skip
+    before = _run_processes()
     pipeline = cpu_pipeline.CPUPipeline(args, checkpoints["actor"], checkpoints["reward"], [engine])
     try:
         with pytest.raises(Exception) as raised:
@@ -89,6 +135,14 @@ def test_an_actor_dying_ends_the_run_with_one_line(phase, checkpoints, engine, t
     print(f"{phase}: openrlhf-oppo: error: {line}")
     assert line is not None and "\n" not in line and re.search(named, line), (line, raised.value)
     assert ended - float(killed_at.read_text()) < BOUND_S
+    left = _run_processes() - before
+    for _ in range(30):  # Ray reaps a killed actor's worker within a few seconds
+        left = {pid: _alive(pid) for pid in left}
+        left = {pid for pid, cmdline in left.items() if cmdline}
+        if not left:
+            break
+        time.sleep(1)
+    assert not left, [_alive(pid) for pid in left]
     # The checkpoint a resume would load is whole: the policy died before it wrote, so 'latest' still names
     # the previous step's checkpoint, which loads.
     folder = os.path.join(args.ckpt.path, "_actor")

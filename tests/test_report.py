@@ -95,3 +95,22 @@ def test_results_record_the_commit_of_the_code():
     if head.returncode:
         pytest.skip("not a git checkout")
     assert _commit().removesuffix("-dirty") == head.stdout.strip()
+
+
+def test_memory_table_and_plot_from_logged_memory(tmp_path):
+    """A run whose OPPO system logged ``oppo/memory/*`` gets a row per actor (first measured step, max, last)
+    and memory.png; the systems without them get no rows."""
+    run = report.run_results(str(RESULTS / "split-2gpu-1.5b-lognormal-patched-top-up-at-step-end"))
+    steps = run["systems"]["oppo-both"]["steps"]
+    for i, step in enumerate(steps):
+        step["oppo/memory/policy_gpu_gb"] = 30.0 + (2.0 if i == 3 else 0.0)
+        step["oppo/memory/rollout_host_gb"] = 4.0 + 0.25 * i
+    report.write(run, str(tmp_path))
+    rows = [line for line in (tmp_path / "table.md").read_text().splitlines() if "_gb |" in line]
+    warmup, last = run["settings"]["warmup"], len(steps) - 1
+    assert rows == [
+        "| oppo-both | policy_gpu_gb | 30.00 | 32.00 | 30.00 | +0.00 |",
+        f"| oppo-both | rollout_host_gb | {4 + 0.25 * warmup:.2f} | {4 + 0.25 * last:.2f} | {4 + 0.25 * last:.2f}"
+        f" | {0.25 * (last - warmup):+.2f} |",
+    ]
+    assert (tmp_path / "memory.png").stat().st_size > 0

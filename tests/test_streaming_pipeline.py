@@ -113,7 +113,7 @@ def scorer_stats(pipeline):
 
 def flush_all(engine):
     """Send every chunk still queued (held or not) and wait until they are prefilled."""
-    ray.get(ray.get(engine.oppo_flush.remote()))
+    ray.get([ref for _, ref in ray.get(engine.oppo_flush.remote())])
 
 
 @pytest.mark.parametrize("kind", ["oppo", "overcommit"])

@@ -10,7 +10,7 @@ runs are left out), or with ``--into`` replaces the summary block of that markdo
 ``--section`` prints the start of a run's section in docs/RESULTS.md: its command, raw files and table.
 
 Runs of 10 steps or more also get a convergence table (reward per step, time to a target reward) and
-plot. Runs of the learning benchmark (``--task``) get its own table and plots (``learning_report.py``).
+plot; runs that logged ``oppo/memory/*`` get a memory table and plot (every actor's memory per step). Runs of the learning benchmark (``--task``) get its own table and plots (``learning_report.py``).
 A step's time is the wall time between its log and the previous step's (all phases, queue waits and
 whatever else happened). The phases are OpenRLHF's own ``timing/*``; under OPPO's inter-step overlap
 and upstream's async mode, generation overlaps training, so phases need not add up to the step.
@@ -127,7 +127,35 @@ def table(results: dict) -> str:
             lines.append(f"| {name} | " + " | ".join(_fmt(s.get(k)) for k in OPPO_KEYS) + " |")
     if max(len(r.get("steps") or []) for r in systems.values()) >= CONVERGENCE_MIN_STEPS:
         lines += ["", *convergence_table(results)]
+    if any(memory_keys(r) for r in systems.values()):
+        lines += ["", *memory_table(results)]
     return "\n".join(lines) + "\n"
+
+
+def memory_keys(result: dict) -> list:
+    """The ``oppo/memory/*`` metrics (GiB) a system logged, in a stable order."""
+    return sorted({k for step in result.get("steps") or [] for k in step if k.startswith("oppo/memory/")})
+
+
+def memory_table(results: dict) -> list:
+    """Per OPPO system and actor, its memory at the first measured step, the most over the run and at the
+    last step: a long run with carried requests across every weight sync shows whether anything grows."""
+    warmup = results["settings"]["warmup"]
+    lines = [
+        "| system | oppo/memory/* (GiB; retries: a count) | first measured step | max | last step | last - first |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, result in results["systems"].items():
+        steps = (result.get("steps") or [])[warmup:]
+        for key in memory_keys(result):
+            values = [step[key] for step in steps if key in step]
+            if values:
+                label = key.removeprefix("oppo/memory/")
+                lines.append(
+                    f"| {name} | {label} | {values[0]:.2f} | {max(values):.2f} | {values[-1]:.2f}"
+                    f" | {values[-1] - values[0]:+.2f} |"
+                )
+    return lines
 
 
 def busiest_gpu_s(summary: dict, utilization: list):
@@ -244,6 +272,32 @@ def plot_timeline(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_memory(results: dict, path: str) -> None:
+    """Per OPPO system, every actor's memory (``oppo/memory/*``, GiB) against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name, result in results["systems"].items() if memory_keys(result)]
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 3 * len(names) + 0.5), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        steps = results["systems"][name]["steps"]
+        for key in memory_keys(results["systems"][name]):
+            ax.plot(
+                [s["step"] for s in steps if key in s],
+                [s[key] for s in steps if key in s],
+                label=key.removeprefix("oppo/memory/"),
+            )
+        ax.set_ylabel(f"{name}\nGiB", fontsize=8)
+        ax.legend(fontsize=6, ncol=4, loc="upper left")
+    axes[-1, 0].set_xlabel("PPO step")
+    fig.suptitle(_title(results), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_convergence(results: dict, path: str) -> None:
     """Mean reward against step and against wall-clock time, every system on the same axes."""
     import matplotlib
@@ -283,6 +337,8 @@ def write(results: dict, out: str) -> None:
             )
         elif max(len(r.get("steps") or []) for r in results["systems"].values()) >= CONVERGENCE_MIN_STEPS:
             plot_convergence(results, os.path.join(out, "convergence.png"))
+        if any(memory_keys(r) for r in results["systems"].values()):
+            plot_memory(results, os.path.join(out, "memory.png"))
     except ImportError:
         print("matplotlib is not installed: no plots")
 

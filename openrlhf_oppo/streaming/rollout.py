@@ -16,7 +16,7 @@ import contextvars
 import time
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import ray
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
@@ -24,7 +24,7 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
-from openrlhf_oppo.protocol import Chunk, StreamInfo
+from openrlhf_oppo.protocol import Chunk, MemoryReading, StreamInfo
 from openrlhf_oppo.trace import Tracer
 from openrlhf_oppo.weight_sync import WeightSyncRolloutMixin
 
@@ -100,8 +100,9 @@ class ChunkOutbox:
         self.held = set(roles)
         self._wake.set()  # whatever waited goes now, if released
 
-    def flush(self, uids=None) -> List[ray.ObjectRef]:
-        """Send the queued chunks of ``uids`` (all if None) now, held or not; return every call not yet done."""
+    def flush(self, uids=None) -> List[Tuple[str, ray.ObjectRef]]:
+        """Send the queued chunks of ``uids`` (all if None) now, held or not; return every call not yet done,
+        with the scoring actor it went to (``"reward rank 1"``)."""
         for key in list(self._queues):
             if uids is None:
                 self._send(key)
@@ -112,7 +113,7 @@ class ChunkOutbox:
             self._send(key)
             if later:
                 self._queues[key] = later
-        return [ref for refs in self._in_flight.values() for ref in refs]
+        return [(f"{role} rank {rank}", ref) for (role, rank), refs in self._in_flight.items() for ref in refs]
 
     async def _flush_loop(self):
         while True:
@@ -270,13 +271,16 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         if self.outbox is not None:
             self.outbox.hold(roles)
 
-    def oppo_flush(self, uids=None) -> List[ray.ObjectRef]:
-        """Send the queued chunks of ``uids`` (all if None) now; return the prefill calls still running
-        (wait on them before collecting scores)."""
+    def oppo_flush(self, uids=None) -> List[Tuple[str, ray.ObjectRef]]:
+        """Send the queued chunks of ``uids`` (all if None) now; return the prefill calls still running, each
+        with the scoring actor it went to (wait on them before collecting scores)."""
         return self.outbox.flush(set(uids) if uids is not None else None) if self.outbox is not None else []
 
     def oppo_drain_trace(self) -> list:
         return self.tracer.drain()
+
+    def oppo_memory(self) -> MemoryReading:
+        return MemoryReading.of_this_process()
 
     def oppo_in_flight(self) -> Dict[str, int]:
         """Tokens generated so far by each sample still running here (streamed samples only)."""
