@@ -7,6 +7,7 @@ its actors as a phase of the step begins."""
 
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -149,3 +150,41 @@ def test_an_actor_dying_ends_the_run_with_one_line(phase, checkpoints, engine, t
     if os.path.exists(os.path.join(folder, "latest")):
         tag = open(os.path.join(folder, "latest")).read()
         assert "overcommit_sampler" in torch.load(os.path.join(folder, f"{tag}.pt"), weights_only=False)
+
+
+def test_stopping_the_ray_head_mid_step_ends_the_run(tmp_path):
+    """The head's GCS dies in step 2 of a run with its own Ray cluster: Ray ends the driver after
+    ``gcs_rpc_server_reconnect_timeout_s`` (60 s by default) with one line naming the GCS, and every process
+    of the run ends (Ray's agents a little later)."""
+    marker, log = tmp_path / "step", tmp_path / "helper.log"
+    helper = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "head_stop_helper.py"), str(tmp_path), str(marker)],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        for _ in range(600):
+            if marker.exists() and marker.read_text() and int(marker.read_text()) >= 2:
+                break
+            assert helper.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the run did not reach step 2")
+        family = psutil.Process(helper.pid).children(recursive=True)
+        heads = [p for p in family if "gcs_server" in _cmdline(p)]
+        assert heads
+        killed = time.time()
+        for process in heads:
+            process.kill()
+        helper.wait(timeout=180)
+    finally:
+        if helper.poll() is None:
+            helper.kill()
+    assert time.time() - killed < 120 and helper.returncode != 0
+    assert "Failed to connect to GCS" in log.read_text()
+    for _ in range(180):
+        left = [_alive(p.pid) for p in family if _alive(p.pid)]
+        if not left:
+            break
+        time.sleep(1)
+    assert not left, left

@@ -25,6 +25,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
 from openrlhf_oppo.protocol import Chunk, MemoryReading, StreamInfo
+from openrlhf_oppo.streaming.reaper import end_children_with_this_process
 from openrlhf_oppo.trace import Tracer
 from openrlhf_oppo.weight_sync import WeightSyncRolloutMixin
 
@@ -221,6 +222,7 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
 
     async def __init__(self, *args, oppo_config: Optional[dict] = None, **kwargs):
         await super().__init__(*args, **kwargs)
+        end_children_with_this_process()  # the engine core, should this actor die without a shutdown
         self.oppo_config = RolloutConfig(**(oppo_config or {}))
         self.tracer = Tracer(enabled=self.oppo_config.trace, process="rollout")
         self.chunk_size = 64
