@@ -2,9 +2,9 @@
 
 vLLM's engine core runs in a child process of the rollout actor and does not watch its parent. When the actor
 dies without a shutdown (Ray's head stopped, its raylet killed), nothing ends the engine core, which keeps its
-GPU memory. ``end_children_with_this_process`` starts a small watchdog, in a session of its own so that it
-outlives the actor, which stops those children once the actor's process is gone. It can go once vLLM's engine
-core watches its parent itself (vllm-project/vllm#55510).
+GPU memory. ``end_children_with_this_process`` starts a small watchdog, detached from the actor (a process
+group of its own) so that it outlives the actor, which stops those children once the actor's process is gone.
+It can go once vLLM's engine core watches its parent itself (vllm-project/vllm#55510).
 """
 
 import os
