@@ -18,7 +18,7 @@ pytestmark = pytest.mark.engine
 
 STEPS = 200
 WINDOW = 50
-DELTA, N_SAMPLES = 2, 2
+BATCH, DELTA, N_SAMPLES = 2, 2, 2
 
 
 def _sampling_trainer(path):
@@ -66,7 +66,7 @@ def test_no_leak_over_200_steps_with_filtering_and_evaluation(checkpoints, gradi
         str(tmp_path), checkpoints["actor"], checkpoints["reward"],
         "--data.prompt_dataset", prompts,
         "--data.max_len", "64",
-        "--rollout.batch_size", "2",
+        "--rollout.batch_size", str(BATCH),
         "--rollout.n_samples_per_prompt", str(N_SAMPLES),
         "--rollout.micro_batch_size", "4",
         "--train.batch_size", "4",
@@ -107,10 +107,12 @@ def test_no_leak_over_200_steps_with_filtering_and_evaluation(checkpoints, gradi
     # Plasma fills with the experiences sent to training (ray.put) and is freed in bursts: a slack of 1 MiB
     # and 50 objects (a burst is about 150 kB and 36 objects here).
     slack = dict(store_bytes=1 << 20, store_objects=50, trainer_refs=4)
-    # What may wait by design: the samples of the groups carried to the next step (Delta of them, n samples
-    # each) and their tombstones. How many are carried varies with timing, so the bound is that, not the
-    # first steps' count.
-    by_design = dict.fromkeys(("oppo/scores_waiting", "oppo/score_tombstones"), DELTA * N_SAMPLES)
+    # What may wait by design: the samples of the groups carried to the next step, and those of groups that
+    # dynamic filtering dropped and the trainer has not discarded yet (a generation whose every group was
+    # dropped trains nothing, so its drops wait for the next step), with their tombstones: at most the groups
+    # of a step (B + Delta, n samples each). How many varies with timing, so the bound is that, not the first
+    # steps' count.
+    by_design = dict.fromkeys(("oppo/scores_waiting", "oppo/score_tombstones"), (BATCH + DELTA) * N_SAMPLES)
     # Every actor's resident memory (``oppo/memory/*_host_gb``): allocators keep what they once took, so the
     # slack is 16 MiB, about 100 kB a step over the last 150 steps (each actor grew by 1-3 MB in this test).
     host = [f"oppo/memory/{kind}_host_gb" for kind in ("trainer", "rollout", "policy", "critic", "reference")]
