@@ -200,39 +200,15 @@ class StreamCoordinator:
 
     def stats(self) -> Dict[str, List[ScorerStats]]:
         """Each scoring actor's counters, per role and rank (its prefill calls since the last ``stats``)."""
-        calls = [
-            (role, rank, actor.oppo_stats.remote())
-            for role in self.roles
-            for rank, actor in enumerate(self.scorers[role])
-        ]
-        results = self._wait([(f"{role} rank {rank}", ref) for role, rank, ref in calls], "reading scorer stats")
-        stats = {role: [] for role in self.roles}
-        for (role, _, _), result in zip(calls, results):
-            stats[role].append(result)
-        return stats
+        return self._ask_each("oppo_stats", "reading scorer stats", engines=False)
 
     def memory(self) -> Dict[str, List[MemoryReading]]:
         """The memory each rollout actor (``rollout``) and each scoring actor (by role, per rank) holds."""
-        calls = [(f"rollout engine {i}", "rollout", e.oppo_memory.remote()) for i, e in enumerate(self.engines)]
-        calls += [
-            (f"{role} rank {rank}", role, actor.oppo_memory.remote())
-            for role in self.roles
-            for rank, actor in enumerate(self.scorers[role])
-        ]
-        readings = self._wait([(name, ref) for name, _, ref in calls], "reading memory")
-        memory = {}
-        for (_, kind, _), reading in zip(calls, readings):
-            memory.setdefault(kind, []).append(reading)
-        return memory
+        return self._ask_each("oppo_memory", "reading memory", engines=True)
 
     def drain_traces(self) -> list:
-        calls = [(f"rollout engine {i}", engine.oppo_drain_trace.remote()) for i, engine in enumerate(self.engines)]
-        calls += [
-            (f"{role} rank {rank}", actor.oppo_drain_trace.remote())
-            for role in self.roles
-            for rank, actor in enumerate(self.scorers[role])
-        ]
-        return [event for events in self._wait(calls, "collecting traces") for event in events]
+        answers = self._ask_each("oppo_drain_trace", "collecting traces", engines=True)
+        return [event for per_actor in answers.values() for events in per_actor for event in events]
 
     def forward(self, role: str, kwargs: dict) -> List[ray.ObjectRef]:
         """Upstream's ``forward`` over these micro-batches, spread over the role's ranks even when there are
@@ -247,6 +223,24 @@ class StreamCoordinator:
         ]
 
     # -- calls -----------------------------------------------------------------------------------------
+
+    def _ask_each(self, method: str, phase: str, engines: bool) -> Dict[str, list]:
+        """``method``'s answer from every scoring actor, by role in rank order, and with ``engines`` from every
+        rollout actor, under ``rollout`` (first)."""
+        calls = []
+        if engines:
+            calls += [
+                ("rollout", f"rollout engine {i}", getattr(e, method).remote()) for i, e in enumerate(self.engines)
+            ]
+        calls += [
+            (role, f"{role} rank {rank}", getattr(actor, method).remote())
+            for role in self.roles
+            for rank, actor in enumerate(self.scorers[role])
+        ]
+        answers = {}
+        for (kind, _, _), answer in zip(calls, self._wait([(name, ref) for _, name, ref in calls], phase)):
+            answers.setdefault(kind, []).append(answer)
+        return answers
 
     def _each_engine(self, method: str, phase: str, *args, **kwargs) -> list:
         calls = [
