@@ -26,26 +26,14 @@ def _marking_trainer(marker):
 
 def main(workdir, marker):
     from conftest import MAX_LEN
+    from test_faults import fault_run_args
 
     from openrlhf_oppo import tiny
     from openrlhf_oppo.testing import cpu_pipeline
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     actor, reward = tiny.make_checkpoints(os.path.join(workdir, "models"))
-    prompts = os.path.join(workdir, "prompts.jsonl")
-    tiny.write_prompts(prompts, [5, 7, 6, 9, 4, 8, 5, 6], seed=12)
-    args = cpu_pipeline.ppo_args(
-        workdir, actor, reward,
-        "--data.prompt_dataset", prompts,
-        "--data.max_len", "64",
-        "--rollout.batch_size", "2",
-        "--rollout.n_samples_per_prompt", "2",
-        "--rollout.micro_batch_size", "4",
-        "--train.batch_size", "4",
-        "--train.micro_batch_size", "2",
-        "--train.num_episodes", "100",  # runs until the head stops
-        "--oppo.enable", "--oppo.overcommit", "1", "--oppo.chunk_size", "4",
-    )  # fmt: skip
+    args = fault_run_args(workdir, actor, reward, "--train.num_episodes", "100")  # runs until the head stops
     engine = cpu_pipeline.start_engine(actor, MAX_LEN)
     pipeline = cpu_pipeline.CPUPipeline(args, actor, reward, [engine])
     pipeline.run_ppo(_marking_trainer(marker))

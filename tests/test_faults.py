@@ -75,6 +75,36 @@ def _run_processes() -> set:
     return workers | trackers
 
 
+def fault_run_args(workdir: str, actor: str, reward: str, *extra: str):
+    """The run these tests stop (also ``head_stop_helper.py``'s): 8 prompts, 2 a step with 2 samples each,
+    OPPO with Delta 1 and 4-token chunks."""
+    prompts = os.path.join(workdir, "prompts.jsonl")
+    tiny.write_prompts(prompts, [5, 7, 6, 9, 4, 8, 5, 6], seed=12)
+    return cpu_pipeline.ppo_args(
+        workdir, actor, reward,
+        "--data.prompt_dataset", prompts,
+        "--data.max_len", "64",
+        "--rollout.batch_size", "2",
+        "--rollout.n_samples_per_prompt", "2",
+        "--rollout.micro_batch_size", "4",
+        "--train.batch_size", "4",
+        "--train.micro_batch_size", "2",
+        "--oppo.enable", "--oppo.overcommit", "1", "--oppo.chunk_size", "4",
+        *extra,
+    )  # fmt: skip
+
+
+def _still_running(pids, seconds: int) -> list:
+    """The command lines of those of ``pids`` still running after up to ``seconds`` of waiting for them."""
+    left = []
+    for _ in range(seconds):
+        left = [cmdline for cmdline in map(_alive, pids) if cmdline]
+        if not left:
+            break
+        time.sleep(1)
+    return left
+
+
 def _killing_trainer(method: str, role: str, at_step: int, killed_at: str):
     """OPPOTrainer that kills ``role``'s actor when ``method`` begins in step ``at_step`` and writes the time to
     ``killed_at`` (built in a function so that Ray pickles the class by value for the trainer's process)."""
@@ -108,21 +138,8 @@ def _killing_trainer(method: str, role: str, at_step: int, killed_at: str):
 @pytest.mark.parametrize("phase", PHASES)
 def test_an_actor_dying_ends_the_run_with_one_line(phase, checkpoints, engine, tmp_path):
     method, role, named = PHASES[phase]
-    prompts = str(tmp_path / "prompts.jsonl")
-    tiny.write_prompts(prompts, [5, 7, 6, 9, 4, 8, 5, 6], seed=12)
     killed_at = tmp_path / "killed_at"
-    args = cpu_pipeline.ppo_args(
-        str(tmp_path), checkpoints["actor"], checkpoints["reward"],
-        "--data.prompt_dataset", prompts,
-        "--data.max_len", "64",
-        "--rollout.batch_size", "2",
-        "--rollout.n_samples_per_prompt", "2",
-        "--rollout.micro_batch_size", "4",
-        "--train.batch_size", "4",
-        "--train.micro_batch_size", "2",
-        "--ckpt.save_steps", "1",
-        "--oppo.enable", "--oppo.overcommit", "1", "--oppo.chunk_size", "4",
-    )  # fmt: skip
+    args = fault_run_args(str(tmp_path), checkpoints["actor"], checkpoints["reward"], "--ckpt.save_steps", "1")
     before = _run_processes()
     pipeline = cpu_pipeline.CPUPipeline(args, checkpoints["actor"], checkpoints["reward"], [engine])
     try:
@@ -136,14 +153,9 @@ def test_an_actor_dying_ends_the_run_with_one_line(phase, checkpoints, engine, t
     print(f"{phase}: openrlhf-oppo: error: {line}")
     assert line is not None and "\n" not in line and re.search(named, line), (line, raised.value)
     assert ended - float(killed_at.read_text()) < BOUND_S
-    left = _run_processes() - before
-    for _ in range(30):  # Ray reaps a killed actor's worker within a few seconds
-        left = {pid: _alive(pid) for pid in left}
-        left = {pid for pid, cmdline in left.items() if cmdline}
-        if not left:
-            break
-        time.sleep(1)
-    assert not left, [_alive(pid) for pid in left]
+    # Ray reaps a killed actor's worker within a few seconds.
+    left = _still_running(_run_processes() - before, seconds=30)
+    assert not left, left
     # The checkpoint a resume would load is whole: the policy died before it wrote, so 'latest' still names
     # the previous step's checkpoint, which loads.
     folder = os.path.join(args.ckpt.path, "_actor")
@@ -182,9 +194,5 @@ def test_stopping_the_ray_head_mid_step_ends_the_run(tmp_path):
             helper.kill()
     assert time.time() - killed < 120 and helper.returncode != 0
     assert "Failed to connect to GCS" in log.read_text()
-    for _ in range(180):
-        left = [_alive(p.pid) for p in family if _alive(p.pid)]
-        if not left:
-            break
-        time.sleep(1)
+    left = _still_running([p.pid for p in family], seconds=180)
     assert not left, left
