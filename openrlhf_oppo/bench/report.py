@@ -273,25 +273,29 @@ def plot_timeline(results: dict, path: str) -> None:
 
 
 def plot_memory(results: dict, path: str) -> None:
-    """Per OPPO system, every actor's memory (``oppo/memory/*``, GiB) against the step."""
+    """Per OPPO system, every actor's memory (``oppo/memory/*``, GiB) against the step: one panel each for
+    GPU memory allocated, GPU memory the allocator reserved and host memory (allocation retries, a count, are
+    in the memory table)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    panels = [("GPU allocated", "_gpu_gb"), ("GPU reserved", "_gpu_reserved_gb"), ("host", "_host_gb")]
     names = [name for name, result in results["systems"].items() if memory_keys(result)]
-    fig, axes = plt.subplots(len(names), 1, figsize=(10, 3 * len(names) + 0.5), squeeze=False)
-    for ax, name in zip(axes[:, 0], names):
+    fig, axes = plt.subplots(len(names), 3, figsize=(13, 3 * len(names) + 0.5), squeeze=False)
+    for row, name in zip(axes, names):
         steps = results["systems"][name]["steps"]
-        for key in memory_keys(results["systems"][name]):
-            ax.plot(
-                [s["step"] for s in steps if key in s],
-                [s[key] for s in steps if key in s],
-                label=key.removeprefix("oppo/memory/"),
-            )
-        ax.set_ylabel(f"{name}\nGiB", fontsize=8)
-        ax.legend(fontsize=6, ncol=4, loc="upper left")
-    axes[-1, 0].set_xlabel("PPO step")
+        for ax, (what, suffix) in zip(row, panels):
+            for key in memory_keys(results["systems"][name]):
+                if key.endswith(suffix):
+                    points = [(s["step"], s[key]) for s in steps if key in s]
+                    ax.plot(*zip(*points), label=key.removeprefix("oppo/memory/").removesuffix(suffix))
+            ax.set_title(f"{name}: {what} (GiB)", fontsize=8)
+            ax.set_ylim(bottom=0)
+            ax.legend(fontsize=6)
+    for ax in axes[-1]:
+        ax.set_xlabel("PPO step")
     fig.suptitle(_title(results), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
