@@ -1,4 +1,7 @@
-"""Every system the benchmarks compare is a valid train_ppo_ray command (upstream's parser and OPPO's checks)."""
+"""Every system the benchmarks compare is a valid train_ppo_ray command (upstream's parser and OPPO's checks),
+and the benchmark refuses workloads it would clip."""
+
+import sys
 
 import pytest
 from openrlhf.utils import deepspeed
@@ -76,3 +79,38 @@ def test_group_norm_benchmark_drops_the_critic(system, monkeypatch):
     assert args.rollout.n_samples_per_prompt == 4 and args.train.batch_size == 64
     if system == "oppo-both":
         assert args.oppo.streamed_roles == ["policy", "reward", "reference"] and args.oppo.overcommit == 8
+
+
+def test_bimodal_workload_takes_its_two_lengths_and_their_share():
+    from openrlhf_oppo.tiny import response_lengths
+
+    lengths = response_lengths(4000, "bimodal", seed=3, short=256, long=6144, long_fraction=0.05, high=6144)
+    assert set(lengths) == {256, 6144}
+    assert 0.04 < lengths.count(6144) / len(lengths) < 0.06
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--long", "8192"], "--long 8192 is outside [--low 16, --high 4096]"),
+        (["--long_fraction", "1.5"], "--long_fraction 1.5 must be between 0 and 1"),
+        (["--short", "8"], "--short 8 is outside"),
+    ],
+)
+def test_benchmark_refuses_a_bimodal_workload_it_would_clip(flags, message, monkeypatch, capsys):
+    from openrlhf_oppo.bench.__main__ import parse
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", "x", "--lengths", "bimodal", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        parse()
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_benchmark_takes_a_bimodal_workload_within_its_bounds(monkeypatch):
+    from openrlhf_oppo.bench.__main__ import parse
+    from openrlhf_oppo.bench.workload import length_params
+
+    argv = ["bench", "--out", "x", "--lengths", "bimodal", "--short", "256", "--long", "6144", "--high", "6144"]
+    monkeypatch.setattr(sys, "argv", argv + ["--long_fraction", "0.05"])
+    params = length_params(parse())
+    assert (params["short"], params["long"], params["long_fraction"], params["high"]) == (256, 6144, 0.05, 6144)

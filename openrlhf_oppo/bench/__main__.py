@@ -32,7 +32,7 @@ from openrlhf_oppo.bench import learning, report
 from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus
 from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
 from openrlhf_oppo.bench.systems import SYSTEMS, common_flags, system_flags
-from openrlhf_oppo.bench.workload import add_workload_arguments, build, length_params
+from openrlhf_oppo.bench.workload import add_workload_arguments, build, check_workload_arguments, length_params
 
 
 def parse():
@@ -60,7 +60,9 @@ def parse():
     parser.add_argument("--workdir", default=None, help="where checkpoints and prompts go (default OUT/workload)")
     parser.add_argument("--out", required=True, help="results.json, table.md and the plots")
     parser.add_argument("--scratch", default=None, help="logs, tensorboard, traces, checkpoints (default OUT)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    check_workload_arguments(parser, args)
+    return args
 
 
 def main():

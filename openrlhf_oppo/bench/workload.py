@@ -29,16 +29,44 @@ def build(out, shape, dtype, prompts, lengths, seed, prompt_tokens, **params):
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """Response lengths, prompt length and seed: this module's CLI and the benchmark harness take the same."""
     parser.add_argument("--lengths", default="lognormal", choices=["lognormal", "bimodal", "uniform"])
-    parser.add_argument("--mean", type=float, default=500)
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--low", type=int, default=16)
-    parser.add_argument("--high", type=int, default=4096)
+    parser.add_argument("--mean", type=float, default=500, help="lognormal: the mean length")
+    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal: sigma of the underlying normal")
+    parser.add_argument("--short", type=int, default=128, help="bimodal: the length of most responses")
+    parser.add_argument("--long", type=int, default=2048, help="bimodal: the length of the others")
+    parser.add_argument("--long_fraction", type=float, default=0.1, help="bimodal: the share of long responses")
+    parser.add_argument("--low", type=int, default=16, help="no response shorter")
+    parser.add_argument("--high", type=int, default=4096, help="no response longer (the rollouts' max_new_tokens)")
     parser.add_argument("--prompt_tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
 
 
+def check_workload_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse lengths that the workload would silently clip or that make no sense."""
+    if not 1 <= args.low <= args.high:
+        parser.error(f"--low {args.low} and --high {args.high}: need 1 <= low <= high")
+    if args.lengths == "lognormal" and not (args.mean > 0 and args.sigma > 0):
+        parser.error(f"--mean {args.mean} and --sigma {args.sigma} must both be > 0")
+    if args.lengths == "bimodal":
+        if not 0 <= args.long_fraction <= 1:
+            parser.error(f"--long_fraction {args.long_fraction} must be between 0 and 1")
+        for name in ("short", "long"):
+            if not args.low <= getattr(args, name) <= args.high:
+                parser.error(
+                    f"--{name} {getattr(args, name)} is outside [--low {args.low}, --high {args.high}]: every "
+                    f"such response would be clipped; raise --high or lower --{name}"
+                )
+
+
 def length_params(args) -> dict:
-    return dict(mean=args.mean, sigma=args.sigma, low=args.low, high=args.high)
+    return dict(
+        mean=args.mean,
+        sigma=args.sigma,
+        short=args.short,
+        long=args.long,
+        long_fraction=args.long_fraction,
+        low=args.low,
+        high=args.high,
+    )
 
 
 def main():
@@ -49,6 +77,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=256)
     add_workload_arguments(parser)
     args = parser.parse_args()
+    check_workload_arguments(parser, args)
     _, _, summary = build(
         args.out,
         args.shape,
@@ -57,7 +86,7 @@ def main():
         args.lengths,
         args.seed,
         args.prompt_tokens,
-        **length_params(args)
+        **length_params(args),
     )
     print(json.dumps(summary))
 
