@@ -27,7 +27,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from openrlhf_oppo.protocol import ROLES, MemoryReading, ScoredSequence, ScorerStats, StreamInfo
+from openrlhf_oppo.protocol import ROLES, ResourceReading, ScoredSequence, ScorerStats, StreamInfo
 
 
 class OPPOActorError(RuntimeError):
@@ -202,9 +202,10 @@ class StreamCoordinator:
         """Each scoring actor's counters, per role and rank (its prefill calls since the last ``stats``)."""
         return self._ask_each("oppo_stats", "reading scorer stats", engines=False)
 
-    def memory(self) -> Dict[str, List[MemoryReading]]:
-        """The memory each rollout actor (``rollout``) and each scoring actor (by role, per rank) holds."""
-        return self._ask_each("oppo_memory", "reading memory", engines=True)
+    def resources(self) -> Dict[str, List[ResourceReading]]:
+        """The memory each rollout actor (``rollout``) and each scoring actor (by role, per rank) holds, and the
+        CPU time it has used."""
+        return self._ask_each("oppo_resources", "reading memory and CPU time", engines=True)
 
     def drain_traces(self) -> list:
         answers = self._ask_each("oppo_drain_trace", "collecting traces", engines=True)
@@ -224,7 +225,7 @@ class StreamCoordinator:
 
     # -- calls -----------------------------------------------------------------------------------------
 
-    def _ask_each(self, method: str, phase: str, engines: bool) -> Dict[str, list]:
+    def _ask_each(self, method: str, doing: str, engines: bool) -> Dict[str, list]:
         """``method``'s answer from every scoring actor, by role in rank order, and with ``engines`` from every
         rollout actor, under ``rollout`` (first)."""
         calls = []
@@ -238,19 +239,20 @@ class StreamCoordinator:
             for rank, actor in enumerate(self.scorers[role])
         ]
         answers = {}
-        for (kind, _, _), answer in zip(calls, self._wait([(name, ref) for _, name, ref in calls], phase)):
+        for (kind, _, _), answer in zip(calls, self._wait([(name, ref) for _, name, ref in calls], doing)):
             answers.setdefault(kind, []).append(answer)
         return answers
 
-    def _each_engine(self, method: str, phase: str, *args, **kwargs) -> list:
+    def _each_engine(self, method: str, doing: str, *args, **kwargs) -> list:
         calls = [
             (f"rollout engine {i}", getattr(e, method).remote(*args, **kwargs)) for i, e in enumerate(self.engines)
         ]
-        return self._wait(calls, phase)
+        return self._wait(calls, doing)
 
-    def _wait(self, calls: List[Tuple[str, ray.ObjectRef]], phase: str) -> list:
+    def _wait(self, calls: List[Tuple[str, ray.ObjectRef]], doing: str) -> list:
         """The calls' results, in order. An actor that died, a call that raised, or calls that outlast the
-        timeout (Ray itself would wait forever on a hung actor) end in one ``OPPOActorError``."""
+        timeout (Ray itself would wait forever on a hung actor) end in one ``OPPOActorError`` that says what
+        they were ``doing`` ("flushing the chunks")."""
         refs = [ref for _, ref in calls]
         try:
             return ray.get(refs, timeout=self.timeout_s)
@@ -258,13 +260,13 @@ class StreamCoordinator:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             silent = [name for name, ref in calls if ref not in ready]
             raise OPPOActorError(
-                f"{', '.join(silent[:3])} did not answer within {self.timeout_s:g} s while {phase} "
+                f"{', '.join(silent[:3])} did not answer within {self.timeout_s:g} s while {doing} "
                 "(--oppo.call_timeout_s)"
             ) from None
         except RayActorError as error:
-            raise OPPOActorError(f"{_failed_call(calls)} died while {phase}: {_first_line(error)}") from None
+            raise OPPOActorError(f"{_failed_call(calls)} died while {doing}: {_first_line(error)}") from None
         except RayTaskError as error:  # the call raised: keep its traceback for the log
-            raise OPPOActorError(f"{_failed_call(calls)} failed while {phase}: {_first_line(error)}") from error
+            raise OPPOActorError(f"{_failed_call(calls)} failed while {doing}: {_first_line(error)}") from error
 
 
 def _uids_by_rank(role: str, infos: Iterable[Optional[StreamInfo]]) -> Dict[int, List[str]]:

@@ -12,13 +12,15 @@ Messages, in the order a sequence meets them:
   which files it on the rollout ``Experience`` as ``experience.stream``;
 * ``ScoredSequence``: a scoring actor's result for a finished sequence, collected by the trainer;
 * ``ScorerStats``: a scoring actor's counters, once a step;
-* ``MemoryReading``: the memory a rollout or scoring actor's process holds, once a step.
+* ``ResourceReading``: the memory a rollout or scoring actor's process holds and the CPU time it has used,
+  once a step.
 """
 
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+import psutil
 import torch
 
 ROLES = ("policy", "critic", "reward", "reference")
@@ -102,27 +104,43 @@ class ScorerStats:
 
 
 @dataclass
-class MemoryReading:
-    """The memory one actor's process holds: what its tensors take on its GPU (``memory_allocated``), what
-    PyTorch's allocator has reserved there (``memory_reserved``, 0 without CUDA), how often that allocator had
-    to free its cache to satisfy a request since the start (``num_alloc_retries``: a fragmented GPU, which
-    slows training), and its resident host memory. vLLM's own GPU memory is fixed at start
+class ResourceReading:
+    """What one actor's process holds and has used: what its tensors take on its GPU (``memory_allocated``),
+    what PyTorch's allocator has reserved there (``memory_reserved``, 0 without CUDA), how often that allocator
+    had to free its cache to satisfy a request since the start (``num_alloc_retries``: a fragmented GPU, which
+    slows training), its resident host memory, and the CPU seconds it and its child processes (a rollout
+    actor's vLLM engine core) have used since they started. vLLM's own GPU memory is fixed at start
     (``--vllm.gpu_memory_utilization``) and lives in the engine's process, not the rollout actor's."""
 
     gpu_allocated_bytes: int
     gpu_reserved_bytes: int
     gpu_alloc_retries: int
     host_bytes: int
+    cpu_s: float
 
     @classmethod
-    def of_this_process(cls) -> "MemoryReading":
+    def of_this_process(cls) -> "ResourceReading":
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         return cls(
             gpu_allocated_bytes=torch.cuda.memory_allocated() if cuda else 0,
             gpu_reserved_bytes=torch.cuda.memory_reserved() if cuda else 0,
             gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
             host_bytes=_resident_bytes(),
+            cpu_s=_cpu_seconds(),
         )
+
+
+def _cpu_seconds() -> float:
+    """User and system CPU time of this process and of its live child processes."""
+    me = psutil.Process()
+    total = 0.0
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:  # a child that ended in between
+            continue
+        total += times.user + times.system
+    return total
 
 
 def _resident_bytes() -> int:

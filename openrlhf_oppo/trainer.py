@@ -19,7 +19,7 @@ from openrlhf_oppo.coordinator import StreamCoordinator, phase
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
-from openrlhf_oppo.protocol import FROZEN_ROLES, ROLES, MemoryReading
+from openrlhf_oppo.protocol import FROZEN_ROLES, ROLES, ResourceReading
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming.chunking import ChunkSizeController
 from openrlhf_oppo.trace import Tracer, write_trace
@@ -55,6 +55,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         self.tracer = Tracer(enabled=oppo.trace_dir is not None, process="trainer")
         self.policy_version = 0
         self.weight_sync_metrics = {}
+        self.cpu_seconds = {}  # (kind, index) -> CPU seconds at the last step: oppo/cpu/* is per step
         self.chunk_controller = ChunkSizeController(fixed=None if oppo.chunk_size == "auto" else oppo.chunk_size)
         groups = dict(
             policy=actor_model_group,
@@ -193,7 +194,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             stats = self.coordinator.stats()  # once a step: it drains the scorers' call records
             metrics.update(self._update_chunk_size(stats))
             metrics.update(scorer_metrics(stats))
-        metrics.update(memory_metrics(self.coordinator.memory()))
+        metrics.update(resource_metrics(self.coordinator.resources(), self.cpu_seconds))
         return metrics
 
     def _update_chunk_size(self, stats: dict) -> dict:
@@ -273,21 +274,27 @@ def scorer_metrics(stats: dict) -> dict:
     }
 
 
-def memory_metrics(memory: dict) -> dict:
-    """The memory of every actor as ``oppo/memory/*`` metrics, in GiB, for the rank that holds most:
-    ``<kind>_host_gb`` (resident host memory) for ``trainer`` (this process), ``rollout`` and each role, and,
-    for the roles, ``<kind>_gpu_gb`` (allocated tensors: weights, optimizer states, the scorer's KV caches)
-    and ``<kind>_gpu_reserved_gb`` (PyTorch's allocator), and ``<kind>_alloc_retries`` (times the allocator had
-    to free its cache, since the start). Over a long run, a value that keeps climbing is a leak.
+def resource_metrics(readings: dict, cpu_seconds: dict) -> dict:
+    """The memory and CPU time of every actor as ``oppo/memory/*`` and ``oppo/cpu/*`` metrics, for the rank
+    that holds or uses most: ``<kind>_host_gb`` (resident host memory) for ``trainer`` (this process),
+    ``rollout`` and each role, and, for the roles, ``<kind>_gpu_gb`` (allocated tensors: weights, optimizer
+    states, the scorer's KV caches) and ``<kind>_gpu_reserved_gb`` (PyTorch's allocator), and
+    ``<kind>_alloc_retries`` (times the allocator had to free its cache, since the start). Over a long run, a
+    value that keeps climbing is a leak. ``oppo/cpu/<kind>_s``: CPU seconds used since the last step (the
+    rollout actor's include its vLLM engine core), to tell a host short of cores from a slow GPU.
+    ``cpu_seconds`` holds each actor's total from the last step and is updated here.
     """
-    memory = dict(memory, trainer=[MemoryReading.of_this_process()])
+    readings = dict(readings, trainer=[ResourceReading.of_this_process()])
     metrics = {}
-    for kind, readings in memory.items():
-        metrics[f"oppo/memory/{kind}_host_gb"] = max(r.host_bytes for r in readings) / 2**30
+    for kind, per_rank in readings.items():
+        metrics[f"oppo/memory/{kind}_host_gb"] = max(r.host_bytes for r in per_rank) / 2**30
         if kind in ROLES:
-            metrics[f"oppo/memory/{kind}_gpu_gb"] = max(r.gpu_allocated_bytes for r in readings) / 2**30
-            metrics[f"oppo/memory/{kind}_gpu_reserved_gb"] = max(r.gpu_reserved_bytes for r in readings) / 2**30
-            metrics[f"oppo/memory/{kind}_alloc_retries"] = float(max(r.gpu_alloc_retries for r in readings))
+            metrics[f"oppo/memory/{kind}_gpu_gb"] = max(r.gpu_allocated_bytes for r in per_rank) / 2**30
+            metrics[f"oppo/memory/{kind}_gpu_reserved_gb"] = max(r.gpu_reserved_bytes for r in per_rank) / 2**30
+            metrics[f"oppo/memory/{kind}_alloc_retries"] = float(max(r.gpu_alloc_retries for r in per_rank))
+        used = [max(r.cpu_s - cpu_seconds.get((kind, i), 0.0), 0.0) for i, r in enumerate(per_rank)]
+        metrics[f"oppo/cpu/{kind}_s"] = max(used)
+        cpu_seconds.update({(kind, i): r.cpu_s for i, r in enumerate(per_rank)})
     return metrics
 
 

@@ -1,6 +1,7 @@
 """The launch scripts in examples/scripts parse and validate (run up to where training would start), and
-the rule rewards score as documented."""
+the rule rewards score as documented; the prefill benchmark runs on the CPU."""
 
+import json
 import os
 import stat
 import subprocess
@@ -94,3 +95,20 @@ def test_readme_quick_start_parses(fake_python):
     result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "parsed True ['policy', 'critic', 'reward', 'reference']" in result.stdout
+
+
+def test_prefill_cost_times_the_scorer_against_upstream_with_equal_outputs(tmp_path):
+    """The prefill benchmark runs on the CPU (tiny shape): upstream's forward, the scorer given whole
+    sequences and given chunks, each with its time, and the scorer's log-probs and values equal upstream's."""
+    out = tmp_path / "prefill.json"
+    command = [sys.executable, str(SCRIPTS / "prefill_cost.py"), "--shape", "tiny", "--device", "cpu"]
+    command += ["--sequences", "6", "--mean", "30", "--high", "90", "--chunk_size", "8", "--repeats", "1"]
+    result = subprocess.run(command + ["--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures["passes"]) == {"upstream", "whole", "chunked"}
+    assert figures["tokens"] == figures["response_tokens"] + 6 * 64
+    for name, measured in figures["passes"].items():
+        assert measured["seconds"] > 0 and measured["tokens_per_s"] > 0, name
+        assert measured["max_difference"] < 1e-4, name
+        assert name in result.stdout

@@ -1,11 +1,14 @@
 """No leak under load: OPPOTrainer on CPU (a real vLLM engine, real scoring models, upstream's PPOTrainer.fit)
 for 200 steps with streaming, overcommit, dynamic filtering and evaluation on. The scores waiting in the
 scoring actors, the discarded sequences not yet cleared (tombstones), the scorers' KV cache, Ray's object
-store, the object references the trainer holds and every actor's resident memory stay flat: the last 50 steps go no higher than the first 50
-(or, for the scores, than the carried samples that wait by design).
+store, the object references the trainer holds and every actor's resident memory stay flat: the last 50
+steps go no higher than the first 50 (or, for the scores, than the carried samples that wait by design).
+Every actor's CPU time is logged per step.
 """
 
 import json
+import os
+import time
 
 import pytest
 import ray
@@ -47,6 +50,7 @@ def _sampling_trainer(path):
                 store_objects=store.num_local_objects,
                 trainer_refs=len(worker.core_worker.get_all_reference_counts()),
                 evaluations=self.evaluations,
+                time=time.time(),
             )
             with open(path, "a") as f:
                 f.write(json.dumps(sample) + "\n")
@@ -118,6 +122,18 @@ def test_no_leak_over_200_steps_with_filtering_and_evaluation(checkpoints, gradi
     host = [f"oppo/memory/{kind}_host_gb" for kind in ("trainer", "rollout", "policy", "critic", "reference")]
     slack.update(dict.fromkeys(host, 16 / 1024))
     assert all(s[key] > 0 for s in steps for key in host)
+    # CPU seconds per step (``oppo/cpu/*``): the rollout actor (its engine core decodes on the CPU here) and
+    # the trainer work every step, and no actor uses more than the machine's cores for the step's wall time
+    # (a running total instead of the step's share would soon exceed it).
+    kinds = ("trainer", "rollout", "policy", "critic", "reference")
+    print(
+        "CPU s a step, mean:",
+        {kind: round(sum(s[f"oppo/cpu/{kind}_s"] for s in steps) / len(steps), 3) for kind in kinds},
+    )
+    for before, step in zip(steps, steps[1:]):
+        assert step["oppo/cpu/rollout_s"] > 0 and step["oppo/cpu/trainer_s"] > 0
+        for kind in kinds:
+            assert step[f"oppo/cpu/{kind}_s"] <= (step["time"] - before["time"]) * os.cpu_count() + 1.0, kind
     for key in ("oppo/scores_waiting", "oppo/score_tombstones", "oppo/scorer_cached_gb", *slack):
         first, last = max(s[key] for s in steps[:WINDOW]), max(s[key] for s in steps[-WINDOW:])
         print(f"{key}: max {first} in the first {WINDOW} steps, {last} in the last {WINDOW}")

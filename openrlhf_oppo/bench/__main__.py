@@ -164,14 +164,18 @@ def run_system(system, flags, args) -> dict:
         wall_s=time.time() - started,
         steps=steps,
         log_tail=open(log_path, errors="replace").read()[-4000:],
-        gpu_samples=[
-            s for s in monitor.samples if measured and measured[0]["start"] - 5 <= s[0] <= measured[-1]["end"]
-        ],
+        gpu_samples=_window(monitor.samples, measured),
+        cpu_samples=_window(monitor.cpu_samples, measured),
     )
     if measured:
         result["gpu_utilization"] = monitor.mean_utilization(measured[0]["start"], measured[-1]["end"])
     result["summary"] = report.summarize(measured)
     return result
+
+
+def _window(samples: list, measured: list) -> list:
+    """The monitor's samples from 5 s before the first measured step to the end of the last."""
+    return [s for s in samples if measured and measured[0]["start"] - 5 <= s[0] <= measured[-1]["end"]]
 
 
 def _stop(process) -> None:

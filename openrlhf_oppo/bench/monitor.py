@@ -1,39 +1,48 @@
-"""GPU utilization sampled with NVML while a system runs (nothing is sampled where NVML is absent)."""
+"""GPU utilization sampled with NVML while a system runs (no GPU samples where NVML is absent), and how many
+of the host's CPU cores were busy."""
 
 import os
 import threading
 import time
+
+import psutil
 
 
 class GPUMonitor:
     def __init__(self, interval_s: float = 0.1):
         self.interval_s = interval_s
         self.samples = []  # (wall time, [utilization % per GPU], [memory used GiB per GPU])
+        self.cpu_samples = []  # (wall time, host CPU cores busy since the sample before)
         self.names = []
         self._stop = threading.Event()
         self._thread = None
+        self._nvml = None
 
     def __enter__(self):
+        handles = []
         try:
             import pynvml
 
             pynvml.nvmlInit()
+            self._nvml = pynvml
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in visible_gpus(pynvml.nvmlDeviceGetCount())]
+            self.names = [_text(pynvml.nvmlDeviceGetName(h)) for h in handles]
         except Exception:  # noqa: BLE001 - no NVIDIA driver: a CPU machine
-            return self
-        self._nvml = pynvml
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in visible_gpus(pynvml.nvmlDeviceGetCount())]
-        self.names = [_text(pynvml.nvmlDeviceGetName(h)) for h in handles]
+            pass
+        psutil.cpu_percent()  # the first call starts the count
         self._thread = threading.Thread(target=self._run, args=(handles,), daemon=True)
         self._thread.start()
         return self
 
     def _run(self, handles):
-        nvml = self._nvml
-        while not self._stop.is_set():
-            util = [nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles]
-            memory = [nvml.nvmlDeviceGetMemoryInfo(h).used / 2**30 for h in handles]
-            self.samples.append((time.time(), util, memory))
-            self._stop.wait(self.interval_s)
+        cores = psutil.cpu_count()
+        while not self._stop.wait(self.interval_s):
+            now = time.time()
+            self.cpu_samples.append((now, psutil.cpu_percent() / 100 * cores))
+            if handles:
+                util = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles]
+                memory = [self._nvml.nvmlDeviceGetMemoryInfo(h).used / 2**30 for h in handles]
+                self.samples.append((now, util, memory))
 
     def __exit__(self, *exc):
         self._stop.set()

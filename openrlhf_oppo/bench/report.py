@@ -10,7 +10,9 @@ runs are left out), or with ``--into`` replaces the summary block of that markdo
 ``--section`` prints the start of a run's section in docs/RESULTS.md: its command, raw files and table.
 
 Runs of 10 steps or more also get a convergence table (reward per step, time to a target reward) and
-plot; runs that logged ``oppo/memory/*`` get a memory table and plot (every actor's memory per step). Runs of the learning benchmark (``--task``) get its own table and plots (``learning_report.py``).
+plot; runs that logged ``oppo/memory/*`` get a memory table and plot (every actor's memory per step), and
+runs with host CPU samples or ``oppo/cpu/*`` a CPU table. Runs of the learning benchmark (``--task``) get
+their own table and plots (``learning_report.py``).
 A step's time is the wall time between its log and the previous step's (all phases, queue waits and
 whatever else happened). The phases are OpenRLHF's own ``timing/*``; under OPPO's inter-step overlap
 and upstream's async mode, generation overlaps training, so phases need not add up to the step.
@@ -129,7 +131,38 @@ def table(results: dict) -> str:
         lines += ["", *convergence_table(results)]
     if any(memory_keys(r) for r in systems.values()):
         lines += ["", *memory_table(results)]
+    if any(r.get("cpu_samples") or cpu_keys(r) for r in systems.values()):
+        lines += ["", *cpu_table(results)]
     return "\n".join(lines) + "\n"
+
+
+def cpu_keys(result: dict) -> list:
+    """The ``oppo/cpu/*`` metrics (CPU seconds an actor used in a step) a system logged, in a stable order."""
+    return sorted({k for step in result.get("steps") or [] for k in step if k.startswith("oppo/cpu/")})
+
+
+def cpu_table(results: dict) -> list:
+    """Per system, how many of the host's cores were busy over the measured steps (the harness's samples), and
+    for OPPO systems the CPU seconds each actor used a step (its busiest rank; the rollout actor's include its
+    vLLM engine core): a host short of cores slows every process on it, training included."""
+    warmup, count = results["settings"]["warmup"], results["settings"]["steps"]
+    kinds = sorted(
+        {k.removeprefix("oppo/cpu/").removesuffix("_s") for r in results["systems"].values() for k in cpu_keys(r)}
+    )
+    header = ["system", "host cores busy, mean", "p90", *(f"{kind} CPU s a step" for kind in kinds)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, result in results["systems"].items():
+        busy = sorted(cores for _, cores in result.get("cpu_samples") or [])
+        steps = (result.get("steps") or [])[warmup : warmup + count]
+        per_kind = [[s[f"oppo/cpu/{kind}_s"] for s in steps if f"oppo/cpu/{kind}_s" in s] for kind in kinds]
+        cells = [
+            name,
+            _fmt(statistics.mean(busy) if busy else None),
+            _fmt(busy[int(0.9 * (len(busy) - 1))] if busy else None),
+            *(_fmt(statistics.mean(values) if values else None) for values in per_kind),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def memory_keys(result: dict) -> list:

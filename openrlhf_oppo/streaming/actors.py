@@ -17,7 +17,7 @@ from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 from openrlhf.trainer.ray.ppo_critic import CriticModelActor
 
-from openrlhf_oppo.protocol import Chunk, MemoryReading, ScorerStats
+from openrlhf_oppo.protocol import Chunk, ResourceReading, ScorerStats
 from openrlhf_oppo.streaming.scorer import ChunkScorer, unwrap_model
 from openrlhf_oppo.streaming.zero3 import InferenceCopy, is_partitioned
 from openrlhf_oppo.trace import Tracer
@@ -126,8 +126,8 @@ class StreamingScorerMixin:
             tombstones=len(self.oppo_discarded),
         )
 
-    def oppo_memory(self) -> MemoryReading:
-        return MemoryReading.of_this_process()
+    def oppo_resources(self) -> ResourceReading:
+        return ResourceReading.of_this_process()
 
     def oppo_drain_trace(self) -> list:
         return self.oppo_tracer.drain()

@@ -24,7 +24,7 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
-from openrlhf_oppo.protocol import Chunk, MemoryReading, StreamInfo
+from openrlhf_oppo.protocol import Chunk, ResourceReading, StreamInfo
 from openrlhf_oppo.streaming.reaper import end_children_with_this_process
 from openrlhf_oppo.trace import Tracer
 from openrlhf_oppo.weight_sync import WeightSyncRolloutMixin
@@ -281,8 +281,8 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
     def oppo_drain_trace(self) -> list:
         return self.tracer.drain()
 
-    def oppo_memory(self) -> MemoryReading:
-        return MemoryReading.of_this_process()
+    def oppo_resources(self) -> ResourceReading:
+        return ResourceReading.of_this_process()
 
     def oppo_in_flight(self) -> Dict[str, int]:
         """Tokens generated so far by each sample still running here (streamed samples only)."""
