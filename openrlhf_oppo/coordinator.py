@@ -16,7 +16,7 @@ One step, in call order (``docs/design.md`` draws it):
    the rank that holds each sequence (``discard`` for those training dropped).
 6. ``sync_weights``: ``pause`` / ``resume`` around the weight sync, when requests outlive the step (paused
    only to load the new weights when they were staged while the engines decoded).
-7. ``stats``, ``memory``, ``set_chunk_size``, ``drain_traces`` once a step.
+7. ``stats``, ``resources``, ``set_chunk_size``, ``drain_traces`` once a step.
 """
 
 import re
