@@ -104,6 +104,16 @@ def test_streamed_scores_equal_full_forward(models, chunk_size):
         assert longer and all(len(r.prefilled) > 1 for r in longer)  # prefilled before the last chunk too
 
 
+@pytest.mark.parametrize("chunk_size", [7, 10_000])
+def test_log_probs_in_slices_of_positions_equal_full_forward(models, chunk_size):
+    """The policy's log-probs computed a few positions at a time (bounded logits memory) are upstream's."""
+    sequences, input_ids, attention_mask, action_mask = make_batch(seed=11)
+    expected = upstream_outputs(models, input_ids, attention_mask, action_mask)
+    policy = ChunkScorer(models["actor"].model, "policy", 1 << 30, temperature=TEMPERATURE, max_logit_rows=3)
+    assert max(len(tokens) - prompt_len for prompt_len, tokens in sequences) > 3 * policy.max_logit_rows
+    assert_equal_to_upstream({"policy": stream(policy, sequences, chunk_size)}, sequences, expected)
+
+
 def test_cache_budget_evicts_and_results_stay_equal(models):
     sequences, input_ids, attention_mask, action_mask = make_batch(seed=3)
     expected = upstream_outputs(models, input_ids, attention_mask, action_mask)

@@ -75,6 +75,7 @@ class ChunkScorer:
             activations of one pass, and how long one pass holds the GPU.
         max_cached_tokens_per_forward: padded cache tokens gathered for one forward pass (the gathered
             keys and values are a copy of that size).
+        max_logit_rows: positions whose float32 logits (policy, reference) exist at once.
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class ChunkScorer:
         temperature: float = 1.0,
         max_tokens_per_forward: int = 16384,
         max_cached_tokens_per_forward: int = 65536,
+        max_logit_rows: int = 2048,
     ):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -100,6 +102,7 @@ class ChunkScorer:
         self.cache_budget_bytes = cache_budget_bytes
         self.max_tokens_per_forward = max_tokens_per_forward
         self.max_cached_tokens_per_forward = max_cached_tokens_per_forward
+        self.max_logit_rows = max_logit_rows
         self.version = 0  # bumped whenever the model's weights change
         self._sequences: Dict[str, _Sequence] = {}
         self._admissions = itertools.count()
@@ -289,11 +292,17 @@ class ChunkScorer:
     def _log_probs(self, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from openrlhf.models.utils import log_probs_from_logits
 
-        # As Actor.forward: float32 logits divided by the temperature, then upstream's log-softmax.
-        logits = self.head(states).to(torch.float32)
-        if self.temperature != 1.0:
-            logits.div_(self.temperature)
-        return log_probs_from_logits(logits[None], labels[None])[0]
+        # As Actor.forward: float32 logits divided by the temperature, then upstream's log-softmax. A slice of
+        # positions at a time: the logits of a whole long sequence (8k positions x 152k entries in float32:
+        # 5 GB) would set the scorer's peak memory, beside training or beside vLLM.
+        parts = []
+        for start in range(0, len(labels), self.max_logit_rows):
+            rows = slice(start, start + self.max_logit_rows)
+            logits = self.head(states[rows]).to(torch.float32)
+            if self.temperature != 1.0:
+                logits.div_(self.temperature)
+            parts.append(log_probs_from_logits(logits[None], labels[rows][None])[0])
+        return torch.cat(parts)
 
     def _append_cache(self, seq: _Sequence, keys: torch.Tensor, values: torch.Tensor) -> None:
         needed = seq.cached + keys.shape[2]
