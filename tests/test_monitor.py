@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus
 
 
@@ -19,17 +21,16 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
 
 
 def test_host_cpu_samples_count_the_busy_cores():
-    """Without NVML (this CPU machine) the monitor still samples the host's CPU: a process spinning one core
-    for a second shows as about one core busy on top of what the machine was doing before."""
-    with GPUMonitor(interval_s=0.1) as idle:
-        time.sleep(1.0)
+    """Without NVML (this CPU machine) the monitor still samples the host's CPU, in cores: while a process
+    spins, at least most of one core is busy and never more than the machine has (a percentage or a share
+    of the machine would fail one bound or the other, whatever else runs)."""
     spinner = subprocess.Popen(
-        [sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"]
+        [sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"]
     )
-    with GPUMonitor(interval_s=0.1) as busy:
+    time.sleep(0.5)  # the interpreter is up and spinning
+    with GPUMonitor(interval_s=0.1) as monitor:
         time.sleep(1.0)
     spinner.wait()
-    assert idle.samples == [] and len(busy.cpu_samples) >= 5
-    before = statistics.mean(cores for _, cores in idle.cpu_samples)
-    during = statistics.mean(cores for _, cores in busy.cpu_samples)
-    assert 0.6 <= during - before <= 1.4 + before, (before, during)
+    assert monitor.samples == [] and len(monitor.cpu_samples) >= 5
+    busy = statistics.mean(cores for _, cores in monitor.cpu_samples)
+    assert 0.6 <= busy <= psutil.cpu_count(), busy
