@@ -9,7 +9,8 @@ checkpoints and prompts, whose labels fix every response's length (``max_tokens`
 so all systems decode exactly the same tokens. The first ``--warmup`` steps are not measured.
 
 Per system the harness keeps every logged step (OpenRLHF's tensorboard scalars: phase timings,
-``oppo/*``), the wall time between steps, GPU utilization sampled with NVML, and the log's tail. It
+``oppo/*``), the wall time between steps, GPU utilization sampled with NVML, the host's busy CPU cores,
+and the log's tail. It
 writes ``results.json`` (all of it, with the command, the code's commit, versions and GPU names),
 ``table.md`` and the plots (``python -m openrlhf_oppo.bench.report`` redraws them from any ``results.json``).
 
