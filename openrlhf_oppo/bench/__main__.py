@@ -10,9 +10,8 @@ so all systems decode exactly the same tokens. The first ``--warmup`` steps are 
 
 Per system the harness keeps every logged step (OpenRLHF's tensorboard scalars: phase timings,
 ``oppo/*``), the wall time between steps, GPU utilization sampled with NVML, the host's busy CPU cores,
-and the log's tail. It
-writes ``results.json`` (all of it, with the command, the code's commit, versions and GPU names),
-``table.md`` and the plots (``python -m openrlhf_oppo.bench.report`` redraws them from any ``results.json``).
+and the log's tail. It writes ``results.json`` (all of it, with the command, the code's commit, versions and
+GPU names), ``table.md`` and the plots (``python -m openrlhf_oppo.bench.report`` redraws them from any ``results.json``).
 
 With ``--task addition`` it runs the learning benchmark instead (``learning.py``, its own options): a supervised
 warm-up, then PPO with the task's rule reward for every system and seed, and the accuracy per step and minute.
