@@ -64,12 +64,15 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
         assert 0 <= step["oppo/prefill_hidden_fraction"] <= 1
         assert step["oppo/discarded_sequences"] == 0
         assert step["oppo/scores_waiting"] <= step["oppo/carried_groups"] * 2  # only carried samples wait
+        # Each model's own training lies within the step's training phase, which waits for both.
+        assert 0 < step["oppo/critic_fit_s"] <= step["timing/ppo_train"]
+        assert 0 < step["oppo/policy_fit_s"] <= step["timing/ppo_train"]
     assert max(s["oppo/deferred_groups_trained"] for s in steps) > 0
     assert max(s["oppo/policy_lag_max"] for s in steps) >= 1
     traces = sorted(glob.glob(str(tmp_path / "trace" / "step_*.json")))
     assert len(traces) == len(steps)
     names = {event["name"] for event in json.load(open(traces[-1]))["traceEvents"]}
-    assert {"generation", "make_experience", "ppo_train", "weight_sync", "prefill"} <= names
+    assert {"generation", "make_experience", "ppo_train", "weight_sync", "prefill", "fit"} <= names
     assert {"flush", "collect", "kl_advantages"} <= names  # the parts of make_experience
 
 

@@ -11,6 +11,8 @@ Finished scores wait in ``oppo_finished`` until the trainer collects them, or di
 will never ask for (``oppo_discard``).
 """
 
+import time
+
 import ray
 import torch
 from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor
@@ -134,12 +136,22 @@ class StreamingScorerMixin:
 
 
 class _TrainableScorerMixin(StreamingScorerMixin):
+    oppo_trained_role: str = None  # "critic" or "policy"
+
     def fit(self, *args, **kwargs):
-        status = super().fit(*args, **kwargs)
+        started = time.time()
+        return self._after_fit(super().fit(*args, **kwargs), started)
+
+    def _after_fit(self, status: dict, started: float) -> dict:
+        """The scorer moves to the new weights. The step's timing/ppo_train spans both models training side
+        by side and the trainer's calls; oppo/<role>_fit_s is this model's own training, to tell which one
+        sets the phase and what is overhead."""
         if self.oppo_scorer is not None:
             if self.oppo_copy is not None:
                 self.oppo_copy.refresh()  # fit runs on every rank of the model: the gathers line up
             self.oppo_scorer.bump_version()
+            self.oppo_tracer.add("fit", started, time.time(), track=self.oppo_role)
+        status[f"oppo/{self.oppo_trained_role}_fit_s"] = time.time() - started
         return status
 
 
@@ -154,11 +166,15 @@ class StreamingReferenceModelActor(StreamingScorerMixin, ReferenceModelActor.__r
 
 
 class StreamingCriticModelActor(_TrainableScorerMixin, CriticModelActor.__ray_actor_class__):
+    oppo_trained_role = "critic"
+
     def oppo_model(self):
         return self.critic
 
 
 class StreamingPolicyModelActor(WeightSyncPolicyMixin, _TrainableScorerMixin, PolicyModelActor.__ray_actor_class__):
+    oppo_trained_role = "policy"
+
     def oppo_model(self):
         return self.actor
 

@@ -9,6 +9,7 @@ actor, samples generators and experience maker for OPPO. The demo and the tests 
 """
 
 import os
+import time
 from datetime import timedelta
 
 import ray
@@ -90,17 +91,16 @@ class CPUReferenceModelActor(_CPUModel, actors.StreamingReferenceModelActor):
 class _CPUTraining:
     """Stand-in for DeepSpeed training on CPU: PPOTrainer's step loop runs, the weights do not change.
 
-    ``fit`` still bumps the scorer's weight version, as a real update does, so that OPPO's handling of
-    results computed with old weights is exercised. Checkpoints keep only the trainer's client states.
+    ``fit`` still runs OPPO's part of it (the scorer's weight version bumped, as a real update does, so that
+    OPPO's handling of results computed with old weights is exercised; the fit's time logged). Checkpoints
+    keep only the trainer's client states.
     """
 
     def append(self, experience):
         pass
 
     def fit(self, *args, **kwargs):
-        if self.oppo_scorer is not None:
-            self.oppo_scorer.bump_version()
-        return {}
+        return self._after_fit({}, time.time())  # OPPO's part of fit, after a training that changed nothing
 
     def broadcast_to_vllm(self):
         pass
