@@ -137,29 +137,36 @@ def table(results: dict) -> str:
 
 
 def cpu_keys(result: dict) -> list:
-    """The ``oppo/cpu/*`` metrics (CPU seconds an actor used in a step) a system logged, in a stable order."""
-    return sorted({k for step in result.get("steps") or [] for k in step if k.startswith("oppo/cpu/")})
+    """The ``oppo/cpu/*`` metrics (CPU seconds an actor used in a step) and ``oppo/<role>_fit_s`` (a model's own
+    training) a system logged, in a stable order."""
+    return sorted(
+        {k for step in result.get("steps") or [] for k in step if k.startswith("oppo/cpu/") or k.endswith("_fit_s")}
+    )
 
 
 def cpu_table(results: dict) -> list:
     """Per system, how many of the host's cores were busy over the measured steps (the harness's samples), and
     for OPPO systems the CPU seconds each actor used a step (its busiest rank; the rollout actor's include its
-    vLLM engine core): a host short of cores slows every process on it, training included."""
+    vLLM engine core) and each model's own training time: a host short of cores slows every process on it,
+    training included, and the training phase is the longer of the two models' fits plus the calls."""
     warmup, count = results["settings"]["warmup"], results["settings"]["steps"]
-    kinds = sorted(
-        {k.removeprefix("oppo/cpu/").removesuffix("_s") for r in results["systems"].values() for k in cpu_keys(r)}
-    )
-    header = ["system", "host cores busy, mean", "p90", *(f"{kind} CPU s a step" for kind in kinds)]
+    keys = sorted({k for r in results["systems"].values() for k in cpu_keys(r)})
+    labels = [
+        f"{k.removeprefix('oppo/cpu/').removesuffix('_s')} CPU s a step" if k.startswith("oppo/cpu/")
+        else f"{k.removeprefix('oppo/').removesuffix('_fit_s')} fit (s)"
+        for k in keys
+    ]  # fmt: skip
+    header = ["system", "host cores busy, mean", "p90", *labels]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, result in results["systems"].items():
         busy = sorted(cores for _, cores in result.get("cpu_samples") or [])
         steps = (result.get("steps") or [])[warmup : warmup + count]
-        per_kind = [[s[f"oppo/cpu/{kind}_s"] for s in steps if f"oppo/cpu/{kind}_s" in s] for kind in kinds]
+        per_key = [[s[key] for s in steps if key in s] for key in keys]
         cells = [
             name,
             _fmt(statistics.mean(busy) if busy else None),
             _fmt(busy[int(0.9 * (len(busy) - 1))] if busy else None),
-            *(_fmt(statistics.mean(values) if values else None) for values in per_kind),
+            *(_fmt(statistics.mean(values) if values else None) for values in per_key),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
