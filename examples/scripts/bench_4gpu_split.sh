@@ -1,20 +1,24 @@
 #!/bin/bash
-# Not measured yet (docs/RESULTS.md). Needs 4 GPUs with room for the models (H200 141 GB; see below).
 # Split placement on 4 GPUs: 2 vLLM engines on 2 GPUs, the policy and critic on the other 2 (two ranks
 # each); OPPO puts the reward and reference models beside the engines (one rank per engine GPU), upstream
 # keeps all four models on the models' GPUs. Random-init Qwen2.5-3B (default) or 7B shape, long-tail
 # workload; upstream sync, upstream async with partial rollout and OPPO with both halves in one invocation,
-# every system on OpenRLHF with patches/openrlhf applied.
-#   SHAPE=qwen2.5-7b ZERO=3 bash examples/scripts/bench_4gpu_split.sh
+# every system on OpenRLHF with patches/openrlhf applied. Needs 141 GB cards (H200) for the 3B shape.
+#   SHAPE=qwen2.5-7b ZERO=3 OFFLOAD=1 bash examples/scripts/bench_4gpu_split.sh
 # ZERO=3 shards the models' parameters and optimizer states over their ranks (OPPO's scorers then stream on
-# a full copy of the weights, gathered after each update: one more copy per rank).
+# a full copy of the weights, gathered after each update: one more copy per rank). OFFLOAD=1 keeps the Adam
+# states in host memory (--ds.adam_offload), which the 7B policy and critic need on two GPUs.
+# VLLM_UTIL is vLLM's share of its GPUs, the same for every system; the rest holds the frozen models beside it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+offload=()
+[ "${OFFLOAD:-0}" = 1 ] && offload=(--extra=--ds.adam_offload)
 python3 -m openrlhf_oppo.bench --gpus 4 --placement split --shape "${SHAPE:-qwen2.5-3b}" \
-  --systems "${SYSTEMS:-oppo-both,upstream-sync,upstream-async}" \
+  --systems "${SYSTEMS:-upstream-async,oppo-both,upstream-sync}" \
   --batch 64 --steps "${STEPS:-5}" --warmup 1 --overcommit "${DELTA:-32}" \
   --lengths lognormal --mean 500 --sigma 1.0 --high 4096 --cache_budget_gb 4 \
-  --extra=--ds.zero_stage --extra="${ZERO:-2}" \
-  --timeout 1200 --upstream_patches --workdir /tmp/oppo-wl-4gpu --scratch /tmp/oppo-4gpu \
+  --extra=--ds.zero_stage --extra="${ZERO:-2}" "${offload[@]}" \
+  --extra=--vllm.gpu_memory_utilization --extra="${VLLM_UTIL:-0.6}" \
+  --timeout 1200 --upstream_patches --workdir "${WORKDIR:-/tmp/oppo-wl-4gpu}" --scratch "${SCRATCH:-/tmp/oppo-4gpu}" \
   --out "${OUT_DIR:-runs/4gpu-${SHAPE:-qwen2.5-3b}}"
