@@ -4,7 +4,7 @@
 # keeps all four models on the models' GPUs. Random-init Qwen2.5-3B (default) or 7B shape, long-tail
 # workload; upstream sync, upstream async with partial rollout and OPPO with both halves in one invocation,
 # every system on OpenRLHF with patches/openrlhf applied. Needs 141 GB cards (H200) for the 3B shape.
-#   SHAPE=qwen2.5-7b ZERO=3 OFFLOAD=1 bash examples/scripts/bench_4gpu_split.sh
+#   SHAPE=qwen2.5-7b ZERO=3 OFFLOAD=1 bash examples/scripts/bench_4gpu_split.sh    (7B: not measured yet)
 # ZERO=3 shards the models' parameters and optimizer states over their ranks (OPPO's scorers then stream on
 # a full copy of the weights, gathered after each update: one more copy per rank). OFFLOAD=1 keeps the Adam
 # states in host memory (--ds.adam_offload), which the 7B policy and critic need on two GPUs.

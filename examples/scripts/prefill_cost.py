@@ -12,8 +12,10 @@ of the response tokens) and the critic (values):
   what they do while the engine decodes.
 
 Each is run ``--repeats`` times after one warm-up; the median seconds and tokens/s are printed and written to
-``--out`` with the largest difference between the scorer's outputs and upstream's (bf16 on a GPU, float32 on
-the CPU). On a GPU, the policy and critic share one card in the benchmark's split placement: their times add.
+``--out`` with the largest and the mean difference between the scorer's outputs and upstream's (bf16 on a GPU,
+float32 on the CPU). ``upstream_one_a_batch`` is upstream's forward with one sequence a micro-batch, timed
+once: in bf16 a change of batching alone moves upstream's numbers, which sets the scale for the scorer's.
+On a GPU, the policy and critic share one card in the benchmark's split placement: their times add.
 
     python examples/scripts/prefill_cost.py --shape qwen2.5-1.5b --device cuda --out prefill.json
 """
@@ -114,10 +116,12 @@ def timed(run, repeats: int, device: str):
     return outputs, statistics.median(seconds)
 
 
-def max_difference(ours, theirs) -> float:
-    return max(
-        (a - b).abs().max().item() for pair, other in zip(ours, theirs) for a, b in zip(pair, other) if a.numel()
+def differences(ours, theirs) -> dict:
+    """The largest and the mean absolute difference over every log-prob and value."""
+    gaps = torch.cat(
+        [(a - b).abs().flatten().float() for pair, other in zip(ours, theirs) for a, b in zip(pair, other)]
     )
+    return dict(max_difference=gaps.max().item(), mean_difference=gaps.mean().item())
 
 
 def main():
@@ -147,10 +151,13 @@ def main():
     reference, upstream_s = timed(
         lambda: upstream(actor, critic, sequences, args.micro_batch, args.device), args.repeats, args.device
     )
-    passes = {"upstream": dict(seconds=upstream_s, max_difference=0.0)}
+    passes = {"upstream": dict(seconds=upstream_s, max_difference=0.0, mean_difference=0.0)}
+    # Upstream again, one sequence a micro-batch: how far its own numbers move when only the batching changes.
+    outputs, seconds = timed(lambda: upstream(actor, critic, sequences, 1, args.device), 1, args.device)
+    passes["upstream_one_a_batch"] = dict(seconds=seconds, **differences(outputs, reference))
     for name, chunk_size in (("whole", None), ("chunked", args.chunk_size)):
         outputs, seconds = timed(lambda: scorer_pass(scorers(), sequences, chunk_size), args.repeats, args.device)
-        passes[name] = dict(seconds=seconds, max_difference=max_difference(outputs, reference))
+        passes[name] = dict(seconds=seconds, **differences(outputs, reference))
     for figures in passes.values():
         figures["tokens_per_s"] = tokens / figures["seconds"]
 
@@ -173,8 +180,8 @@ def main():
     print(f"{args.shape} ({result['dtype']}, {result['machine']}): {len(sequences)} sequences, {tokens} tokens")
     for name, figures in passes.items():
         print(
-            f"  {name:8s} {figures['seconds']:8.3f} s  {figures['tokens_per_s']:10.0f} tokens/s"
-            f"  max |difference| to upstream {figures['max_difference']:.2e}"
+            f"  {name:20s} {figures['seconds']:8.3f} s  {figures['tokens_per_s']:10.0f} tokens/s  |difference| to"
+            f" upstream: max {figures['max_difference']:.2e}, mean {figures['mean_difference']:.2e}"
         )
 
 
