@@ -41,13 +41,15 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
 
 
 def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch):
-    """examples/scripts/bench_4gpu_split.sh with ZERO=3 OFFLOAD=1: two engines, two ranks a model, ZeRO-3, Adam
-    states in host memory, and vLLM's smaller share of its GPUs leaves the frozen models room beside it."""
+    """examples/scripts/bench_4gpu_split.sh with ZERO=3 OFFLOAD=1 ROLLOUT_MB=32 TRAIN_MB=8: two engines, two ranks
+    a model, ZeRO-3, Adam states in host memory, OpenRLHF's recipe micro-batches, and vLLM's smaller share of its
+    GPUs leaves the frozen models room beside it."""
     monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
-    flags = common_flags("/w", "/o", "oppo-both", "split", 4, 64, 1, 5, 4096, 64, 0, 4.0)
+    flags = common_flags("/w", "/o", "oppo-both", "split", 4, 64, 1, 5, 4096, 64, 0, 4.0, 32, 8)
     extra = ["--ds.zero_stage", "3", "--ds.adam_offload", "--vllm.gpu_memory_utilization", "0.6"]
     args = parse_args(flags + system_flags("oppo-both", "split", 32) + extra)
     assert args.ds.zero_stage == 3 and args.ds.adam_offload and args.vllm.gpu_memory_utilization == 0.6
+    assert args.rollout.micro_batch_size == 32 and args.train.micro_batch_size == 8
     assert args.oppo.streamed_roles == ["policy", "critic", "reward", "reference"]
     assert args.oppo.frozen_scorers_on == "generation" and args.reward.num_gpus_per_node == 2
 

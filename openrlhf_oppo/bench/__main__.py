@@ -43,6 +43,10 @@ def parse():
     parser.add_argument("--shape", default="qwen2.5-1.5b")
     parser.add_argument("--batch", type=int, default=32, help="--rollout.batch_size (prompt groups per step)")
     parser.add_argument("--n_samples", type=int, default=1)
+    parser.add_argument(
+        "--rollout_micro_batch", type=int, default=8, help="--rollout.micro_batch_size (upstream's forward passes)"
+    )
+    parser.add_argument("--train_micro_batch", type=int, default=2, help="--train.micro_batch_size (per GPU)")
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--overcommit", type=int, default=None, help="Delta for the OPPO systems (default B/4)")
@@ -109,6 +113,8 @@ def main():
                 args.prompt_tokens,
                 args.seed,
                 args.cache_budget_gb,
+                args.rollout_micro_batch,
+                args.train_micro_batch,
             )
             + system_flags(system, args.placement, overcommit)
             + args.extra

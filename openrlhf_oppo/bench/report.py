@@ -88,6 +88,13 @@ def summarize(steps: list) -> dict:
     return summary
 
 
+def _micro_batches(settings: dict) -> str:
+    """Runs before the micro-batch options existed used upstream's 8 (rollout) and 2 (training) and say nothing."""
+    if "train_micro_batch" not in settings:
+        return ""
+    return f" · micro-batches: {settings['rollout_micro_batch']} rollout, {settings['train_micro_batch']} training"
+
+
 def table(results: dict) -> str:
     if "task" in results:  # the learning benchmark
         return learning_report.table(results)
@@ -97,7 +104,8 @@ def table(results: dict) -> str:
     lines = [
         f"GPUs: {', '.join(results['machine']['gpus']) or 'none'} · placement: {results['settings']['placement']}"
         f" · shape: {results['settings']['shape']} · batch: {results['settings']['batch']} prompts"
-        f" x {results['settings']['n_samples']} · measured steps: {results['settings']['steps']}"
+        f" x {results['settings']['n_samples']}{_micro_batches(results['settings'])}"
+        f" · measured steps: {results['settings']['steps']}"
         f" (after {results['settings']['warmup']} warm-up) · workload: {results['workload']['distribution']}"
         f" mean {results['workload']['mean_length']:.0f}, max {results['workload']['max_length']} tokens"
         + (" · OpenRLHF with patches/openrlhf applied" if results.get("upstream_patches") else ""),

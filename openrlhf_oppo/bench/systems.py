@@ -71,14 +71,16 @@ def common_flags(
     prompt_tokens: int,
     seed: int,
     cache_budget_gb: float,
+    rollout_micro_batch: int = 8,
+    train_micro_batch: int = 2,
 ) -> list:
     """Everything but the system: same models, data, lengths, batch and seed for every system."""
     return cluster_flags(workdir, out, system, system, placement, gpus, seed, cache_budget_gb) + [
         "--rollout.batch_size", str(batch),
         "--rollout.n_samples_per_prompt", str(n_samples),
-        "--rollout.micro_batch_size", "8",
+        "--rollout.micro_batch_size", str(rollout_micro_batch),
         "--train.batch_size", str(batch * n_samples),
-        "--train.micro_batch_size", "2",
+        "--train.micro_batch_size", str(train_micro_batch),
         "--train.max_epochs", "1",
         "--data.max_len", str(prompt_tokens + max_response + 8),
         "--rollout.max_new_tokens", str(max_response),
