@@ -77,7 +77,7 @@ def test_summary_ratios_and_failures(tmp_path):
 
 def test_table_names_the_micro_batches_where_the_run_recorded_them():
     run = report.run_results(str(RESULTS / "split-4gpu-3b-lognormal-patched"))
-    assert "micro-batches" not in report.table(run)  # recorded before the options: upstream's 8 and 2
+    assert "micro-batches" not in report.table(run)  # made before the options: 8 and 2
     run["settings"].update(rollout_micro_batch=32, train_micro_batch=8)
     assert "batch: 64 prompts x 1 · micro-batches: 32 rollout, 8 training · measured steps: 5" in report.table(run)
 

@@ -89,7 +89,7 @@ def summarize(steps: list) -> dict:
 
 
 def _micro_batches(settings: dict) -> str:
-    """Runs before the micro-batch options existed used upstream's 8 (rollout) and 2 (training) and say nothing."""
+    """Runs made before the micro-batch options existed used the benchmark's 8 (rollout) and 2 (training)."""
     if "train_micro_batch" not in settings:
         return ""
     return f" · micro-batches: {settings['rollout_micro_batch']} rollout, {settings['train_micro_batch']} training"
