@@ -213,7 +213,7 @@ OPTIONS = {
             "their streamed prefill need not wait for training), which leaves the models' GPUs to the critic and "
             "the policy; needs --vllm.gpu_memory_utilization <= 0.8 for room beside the engine. 'models': on the "
             "actor's GPUs with the others. 'auto': 'generation' where it applies (intra-step streaming of either "
-            "model, and the memory room), else 'models'.",
+            "model, and the memory room; the log says when vLLM's share leaves none), else 'models'.",
         ),
         "auto",
     ),
@@ -446,12 +446,21 @@ def _resolve_plan(args) -> None:
 
 
 def _frozen_beside_vllm_applies(args) -> bool:
-    """'auto': the frozen models go beside vLLM where they stream and the placement has room for them."""
+    """'auto': the frozen models go beside vLLM where they stream and the placement has room for them. Where
+    vLLM's share of its GPUs leaves no room (OpenRLHF's default 0.95), the log says what would."""
     if not args.oppo.colocate_models or not {"reward", "reference"} & set(args.oppo.streamed_roles):
         return False
     try:
         _check_frozen_beside_vllm(args)
     except OPPOConfigError:
+        share = args.vllm.gpu_memory_utilization
+        if share > FROZEN_BESIDE_VLLM_MAX_UTILIZATION:
+            print(
+                "[openrlhf-oppo] --oppo.frozen_scorers_on auto keeps the reward and reference models on the models' "
+                f"GPUs: --vllm.gpu_memory_utilization {share:g} leaves them no room beside vLLM (at most "
+                f"{FROZEN_BESIDE_VLLM_MAX_UTILIZATION} would).",
+                flush=True,
+            )
         return False
     return True
 

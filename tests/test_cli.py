@@ -253,10 +253,13 @@ SPLIT_2GPU = [
         (["--vllm.gpu_memory_utilization", "0.75", "--oppo.intra_step", "off"], "models"),  # nothing to stream
     ],
 )
-def test_frozen_scorers_go_beside_vllm_where_they_fit(extra, placed):
+def test_frozen_scorers_go_beside_vllm_where_they_fit(extra, placed, capsys):
     args = parse_args(SPLIT_2GPU + extra)
     assert args.oppo.frozen_scorers_on == placed
     assert args.train.frozen_models_with_vllm == (placed == "generation")
+    # Only 'auto' finding no room beside vLLM explains itself, with what would make room.
+    note = "--vllm.gpu_memory_utilization 0.95 leaves them no room beside vLLM (at most 0.8 would)"
+    assert (note in capsys.readouterr().out) == (extra == [])
 
 
 @pytest.mark.parametrize(
