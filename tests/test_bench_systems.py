@@ -54,6 +54,25 @@ def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch):
     assert args.oppo.frozen_scorers_on == "generation" and args.reward.num_gpus_per_node == 2
 
 
+def test_oppo_extra_reaches_the_oppo_systems_only(monkeypatch):
+    """``--oppo_extra`` flags go to the OPPO systems after their own (``--extra`` to all): Delta under the
+    throughput rule up to the batch, here."""
+    from openrlhf_oppo.bench.__main__ import parse, system_command
+
+    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
+    oppo_extra = ["--oppo.overcommit", "auto", "--oppo.overcommit_rule", "throughput", "--oppo.overcommit_max", "64"]
+    argv = ["bench", "--gpus", "4", "--placement", "split", "--batch", "64", "--steps", "5", "--out", "/o"]
+    argv += ["--extra=--train.micro_batch_size", "--extra=4"] + [f"--oppo_extra={flag}" for flag in oppo_extra]
+    monkeypatch.setattr(sys, "argv", argv)
+    args = parse()
+    args.scratch = "/o"
+    oppo = parse_args(system_command(args, "oppo-both", "/w", 16))
+    assert oppo.oppo.overcommit == "auto" and oppo.oppo.overcommit_rule == "throughput"
+    assert oppo.oppo.overcommit_max == 64 and oppo.train.micro_batch_size == 4
+    upstream = system_command(args, "upstream-sync", "/w", 16)
+    assert not set(oppo_extra[::2]) & set(upstream) and parse_args(upstream).train.micro_batch_size == 4
+
+
 @pytest.mark.parametrize("system", LEARNING_SYSTEMS)
 def test_learning_benchmark_run_is_a_valid_command(system, monkeypatch):
     """Every run of the learning benchmark: the task's prompts and rule reward, responses ending where the model

@@ -54,6 +54,9 @@ def parse():
     parser.add_argument("--cache_budget_gb", type=float, default=2.0)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per system before it is stopped")
     parser.add_argument("--extra", action="append", default=[], help="a train_ppo_ray flag for every system (repeat)")
+    parser.add_argument(
+        "--oppo_extra", action="append", default=[], help="a train_ppo_ray flag for the OPPO systems only (repeat)"
+    )
     parser.add_argument("--tag", default="", help="appended to the system names in the results (a seed, say)")
     parser.add_argument(
         "--upstream_patches",
@@ -99,31 +102,35 @@ def main():
     )
     path = os.path.join(args.out, "results.json")
     for system in tqdm(systems, desc="systems"):
-        flags = (
-            common_flags(
-                workdir,
-                args.scratch,
-                system,
-                args.placement,
-                args.gpus,
-                args.batch,
-                args.n_samples,
-                args.warmup + args.steps + 1,
-                args.high,
-                args.prompt_tokens,
-                args.seed,
-                args.cache_budget_gb,
-                args.rollout_micro_batch,
-                args.train_micro_batch,
-            )
-            + system_flags(system, args.placement, overcommit)
-            + args.extra
-        )
+        flags = system_command(args, system, workdir, overcommit)
         results["systems"][system + args.tag] = run_system(system, flags, args)
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
     report.write(results, args.out)
     print(open(os.path.join(args.out, "table.md")).read())
+
+
+def system_command(args, system: str, workdir: str, overcommit: int) -> list:
+    """The ``train_ppo_ray`` flags of one system: what every system shares, the system's own, then ``--extra``
+    (every system) and ``--oppo_extra`` (the OPPO systems), which override them."""
+    shared = common_flags(
+        workdir,
+        args.scratch,
+        system,
+        args.placement,
+        args.gpus,
+        args.batch,
+        args.n_samples,
+        args.warmup + args.steps + 1,
+        args.high,
+        args.prompt_tokens,
+        args.seed,
+        args.cache_budget_gb,
+        args.rollout_micro_batch,
+        args.train_micro_batch,
+    )
+    own = system_flags(system, args.placement, overcommit)
+    return shared + own + args.extra + (args.oppo_extra if system.startswith("oppo") else [])
 
 
 def header() -> dict:
