@@ -149,6 +149,18 @@ OPTIONS = {
         ),
         "step_start",
     ),
+    "critic_catch_up": (
+        dict(
+            choices=["next_step", "after_fit"],
+            help="When the critic scores the chunks held through training (inter-step overlap with the critic "
+            "streaming). 'next_step': when the next step starts, after the weight sync, as the policy does. "
+            "'after_fit': as soon as the critic's own training ends, while the policy may still train (its weights "
+            "are final by then); the critic's catch-up then overlaps the policy's training and the weight sync. "
+            "Needs vLLM apart from the models (not --train.colocate_all or --ds.enable_sleep). Compare "
+            "oppo/critic_fit_s with oppo/policy_fit_s for the time it can gain.",
+        ),
+        "next_step",
+    ),
     "carry_kv": (
         dict(
             choices=["recompute", "keep"],
@@ -398,6 +410,12 @@ def _check_oppo(args) -> None:
             "(--oppo.overcommit > 0 or auto) and vLLM engines on GPUs of their own (not --train.colocate_all, where "
             "they wait or sleep through training): use --oppo.top_up step_start there."
         )
+    if oppo.critic_catch_up == "after_fit" and (args.train.colocate_all or args.ds.enable_sleep):
+        raise OPPOConfigError(
+            "--oppo.critic_catch_up after_fit sends the critic its held chunks while the policy trains, which needs "
+            "the models apart from vLLM and awake through training (not --train.colocate_all or --ds.enable_sleep): "
+            "use --oppo.critic_catch_up next_step there."
+        )
     if oppo.overcommit != "auto" and oppo.overcommit_rule != OPTIONS["overcommit_rule"][1]:
         raise OPPOConfigError(
             f"--oppo.overcommit_rule {oppo.overcommit_rule} moves Delta under --oppo.overcommit auto, but "
@@ -520,13 +538,22 @@ def _check_overcommit_plan(args, given) -> None:
     auto_only = [name for name in OPTIONS if name.startswith("overcommit_") and name in given]
     if not oppo.inter_step:
         unused = auto_only + [
-            name for name in ("max_defer_steps", "carry_kv", "top_up", "weight_sync") if name in given
+            name
+            for name in ("max_defer_steps", "carry_kv", "top_up", "weight_sync", "critic_catch_up")
+            if name in given
         ]
         if unused:
             raise _unused(
                 unused, "inter-step overlap, which --oppo.overcommit 0 turns off", "give --oppo.overcommit N or auto"
             )
         return
+    if "critic_catch_up" in given and "critic" not in oppo.streamed_roles:
+        raise _unused(
+            ["critic_catch_up"],
+            "the streamed critic's held chunks, and no critic streams here (intra-step streaming off, or no critic: "
+            "--algo.advantage.estimator is not gae)",
+            "stream the critic",
+        )
     if oppo.overcommit != "auto" and auto_only:
         delta = oppo.overcommit
         raise _unused(
@@ -577,5 +604,6 @@ def describe(args) -> str:
         parts.append(
             f"overcommit {oppo.overcommit} (start {oppo.overcommit_initial}), carry_kv {oppo.carry_kv}, "
             f"top-up at {oppo.top_up.replace('_', ' ')}"
+            + (", the critic's catch-up after its fit" if oppo.critic_catch_up == "after_fit" else "")
         )
     return "OPPO on: " + "; ".join(parts)

@@ -8,7 +8,8 @@ that says which actor and what the trainer was doing.
 One step, in call order (``docs/design.md`` draws it):
 
 1. ``connect`` once, after the models are loaded: scorers built, rollout actors told where to stream.
-2. ``release``: chunks held through the last training go out (inter-step overlap only).
+2. ``release``: chunks held through the last training go out (inter-step overlap only); the critic's may have
+   gone out when its own training ended (``--oppo.critic_catch_up after_fit``).
 3. Generation: the rollout actors stream chunks straight to the scorers (``oppo_prefill``), no trainer call.
 4. ``hold``: from the step's end until the next ``release`` the chunks of the roles whose GPUs train only
    queue (inter-step overlap only).
@@ -74,6 +75,7 @@ class StreamCoordinator:
         self.scorers = {role: list(group._actor_handlers) for role, group in self.groups.items()}  # noqa: SLF001
         self.timeout_s = timeout_s
         self.beside_vllm = tuple(beside_vllm)
+        self.held: List[str] = []  # the roles whose chunks queue (``hold``)
         self.tokenizer_sent = False
 
     @property
@@ -125,10 +127,13 @@ class StreamCoordinator:
     def hold(self) -> None:
         """Queue chunks instead of sending them, until ``release``, for the roles whose GPUs are about to train
         (the frozen models beside vLLM keep scoring)."""
-        self._each_engine("oppo_hold", "holding the chunks", [r for r in self.roles if r not in self.beside_vllm])
+        self.held = [role for role in self.roles if role not in self.beside_vllm]
+        self._each_engine("oppo_hold", "holding the chunks", self.held)
 
-    def release(self) -> None:
-        self._each_engine("oppo_hold", "releasing the held chunks", [])
+    def release(self, roles: Optional[Sequence[str]] = None) -> None:
+        """Send the held chunks of ``roles`` (all if None), whose models have their new weights."""
+        self.held = [role for role in self.held if roles is not None and role not in roles]
+        self._each_engine("oppo_hold", "releasing the held chunks", self.held)
 
     def pause(self, clear_cache: bool) -> None:
         """Freeze every request in every engine; ``clear_cache`` drops their KV (re-prefilled on resume)."""

@@ -214,7 +214,28 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
 
     def ppo_train(self, global_steps):
         with self.tracer.span("ppo_train", track="trainer"), phase("training"):
+            if self.args.oppo.critic_catch_up == "after_fit" and self.critic_model_group is not None:
+                return self._train_releasing_the_critic(global_steps)
             return super().ppo_train(global_steps)
+
+    def _train_releasing_the_critic(self, global_steps) -> dict:
+        """``--oppo.critic_catch_up after_fit``: upstream's ``ppo_train`` (0.11.2, its branch without sleep mode;
+        config.validate refuses --ds.enable_sleep here), COPIED, with the critic's held chunks sent as soon as
+        the critic's own fit ends. ``patches/openrlhf/0009`` adds the hook that would retire this copy."""
+        status: dict = {}
+        run_actor = global_steps > self.args.critic.freezing_steps and self.actor_model_group is not None
+        critic_refs = self.critic_model_group.async_run_method(method_name="fit")
+        actor_refs = []
+        if run_actor:
+            actor_refs = self.actor_model_group.async_run_method(method_name="fit", kl_ctl=self.kl_ctl.value)
+        # --- OPPO change: the critic's results first (upstream: one ray.get of both, in this order), then its
+        # chunks go out while the policy may still train. ---
+        for result in ray.get(critic_refs):
+            status.update(result)
+        self.coordinator.release(["critic"])
+        for result in ray.get(actor_refs):
+            status.update(result)
+        return status
 
     def broadcast_to_vllm(self) -> None:
         """Upstream's weight sync, in buckets (``weight_sync.py``); with requests in flight the engines pause

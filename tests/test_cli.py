@@ -117,6 +117,9 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--oppo.overcommit_min", "5", "--oppo.overcommit_max", "2"], "overcommit_min"),
         (["--oppo.enable", "--train.colocate_all", "--oppo.top_up", "step_end"], "not --train.colocate_all"),
         (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.top_up", "step_end"], "needs inter-step overlap"),
+        (["--oppo.enable", "--train.colocate_all", "--oppo.critic_catch_up", "after_fit"], "not --train.colocate_all"),
+        (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.critic_catch_up", "after_fit"], "overcommit 0 turns off"),
+        (["--oppo.enable", "--oppo.intra_step", "off", "--oppo.critic_catch_up", "after_fit"], "no critic streams"),
         (["--oppo.colocate_models", "--train.colocate_all"], "two different placements"),
         (["--oppo.colocate_models", "--ref.num_gpus_per_node", "1"], "--ref.num_nodes"),
         # Settings that would quietly undo what was asked for, with what to use instead.

@@ -1,7 +1,7 @@
 """patches/openrlhf: they apply, in order, to the installed OpenRLHF 0.11.2; with them applied, upstream's
 own train_ppo_ray loads OPPO as an extension, OPPO's wrapper keeps working, and the fixes do what they
 say (prompt order seeded, tokenizer sent once, advantages equal bit for bit, a checkpoint of an episode's
-last step resumes in the next episode; the bucketed weight sync of 0007 runs against a real engine in
+last step resumes in the next episode, the critic's training awaited first with a hook after it; the bucketed weight sync of 0007 runs against a real engine in
 test_weight_sync.py)."""
 
 import json
@@ -37,7 +37,7 @@ def run(patched, code):
 
 
 def test_there_are_patches():
-    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008"]
+    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009"]
 
 
 def test_upstream_cli_loads_oppo_as_an_extension(patched):
@@ -253,3 +253,45 @@ def test_patched_trainer_resumes_an_ended_episode_in_the_next(patched):
     assert result["episodes"] == [0, 0, 0, 1, 1, 1]
     trained = [sum(len(step) for step in steps) for steps in result["resumed"]]
     assert trained == [10, 10, 15, 10, 10, 15]  # an extra epoch after the resumes from steps 3 and 6
+
+
+CRITIC_FIRST = """
+    import json
+    from types import SimpleNamespace
+
+    import ray
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+
+    log = []
+
+    class Group:  # a model group whose fit returns at once; ray.get below logs when each is awaited
+        def __init__(self, name):
+            self.name = name
+
+        def async_run_method(self, method_name, **kwargs):
+            log.append(f"{self.name} {method_name}")
+            return [self.name]
+
+    def get(refs):
+        log.extend(f"{ref} awaited" for ref in refs)
+        return [{f"{ref}_loss": 1.0} for ref in refs]
+
+    ray.get = get
+    trainer = SimpleNamespace(  # ppo_train's loop alone: no models, no Ray
+        args=SimpleNamespace(ds=SimpleNamespace(enable_sleep=False), critic=SimpleNamespace(freezing_steps=-1)),
+        critic_model_group=Group("critic"),
+        actor_model_group=Group("actor"),
+        kl_ctl=SimpleNamespace(value=0.0),
+        on_critic_trained=lambda: log.append("on_critic_trained"),
+    )
+    status = BasePPOTrainer.ppo_train(trainer, 1)
+    print(json.dumps([log, status]))
+"""
+
+
+def test_patched_ppo_train_awaits_the_critic_first_and_calls_the_hook(patched):
+    """Patch 0009: both models start training together; the critic's results are awaited first, then
+    on_critic_trained runs while the actor may still train; the status is the same merge of both."""
+    log, status = json.loads(run(patched, CRITIC_FIRST).splitlines()[-1])
+    assert log == ["critic fit", "actor fit", "critic awaited", "on_critic_trained", "actor awaited"]
+    assert status == {"critic_loss": 1.0, "actor_loss": 1.0}

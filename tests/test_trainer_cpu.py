@@ -74,6 +74,35 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
     names = {event["name"] for event in json.load(open(traces[-1]))["traceEvents"]}
     assert {"generation", "make_experience", "ppo_train", "weight_sync", "prefill", "fit"} <= names
     assert {"flush", "collect", "kl_advantages"} <= names  # the parts of make_experience
+    # Chunks held through training reach the critic and the policy only when the next step starts.
+    assert not any(prefills_while_training(trace, role) for trace in traces for role in ("critic", "policy"))
+
+
+def prefills_while_training(trace: str, role: str) -> list:
+    """``role``'s prefill calls that started between the start of the step's training and the end of its
+    weight sync."""
+    events = json.load(open(trace))["traceEvents"]
+    trainer = {event["name"]: event for event in events if event["tid"] == "trainer"}
+    start = trainer["ppo_train"]["ts"]
+    end = trainer["weight_sync"]["ts"] + trainer["weight_sync"]["dur"]
+    return [e for e in events if e["tid"] == role and e["name"] == "prefill" and start <= e["ts"] <= end]
+
+
+def test_the_critic_catches_up_as_soon_as_its_training_ends(checkpoints, engine, tmp_path):
+    """``--oppo.critic_catch_up after_fit``: the critic's held chunks go out when its own fit returns, while
+    the policy's wait for the next step; every prompt is still trained once."""
+    prompts = str(tmp_path / "prompts.jsonl")
+    tiny.write_prompts(prompts, LENGTHS, seed=3)
+    steps = run(
+        checkpoints, engine, tmp_path, prompts,
+        "--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8", "--oppo.critic_catch_up", "after_fit",
+        "--oppo.trace_dir", str(tmp_path / "trace"),
+    )  # fmt: skip
+    assert sum(s["rollout/num_samples"] for s in steps) == len(LENGTHS) * 2
+    assert all(s["oppo/fallback_micro_batches"] == 0 for s in steps)  # carried samples rescored, not recomputed
+    traces = sorted(glob.glob(str(tmp_path / "trace" / "step_*.json")))
+    assert any(prefills_while_training(trace, "critic") for trace in traces)
+    assert not any(prefills_while_training(trace, "policy") for trace in traces)
 
 
 def test_checkpoint_keeps_carried_prompts_and_resume_trains_them_first(checkpoints, engine, tmp_path):
