@@ -11,6 +11,9 @@
 # ROLLOUT_MB and TRAIN_MB are the micro-batch sizes of upstream's forward passes and of training (per GPU);
 # OpenRLHF's own recipes use 32 and 8 (with sample packing).
 # VLLM_UTIL is vLLM's share of its GPUs, the same for every system; the rest holds the frozen models beside it.
+# Further arguments go to the benchmark, e.g. an OPPO variant beside the baselines:
+#   DELTA=64 SYSTEMS=oppo-both bash examples/scripts/bench_4gpu_split.sh --tag -critic-after-fit \
+#     --oppo_extra=--oppo.critic_catch_up --oppo_extra=after_fit
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -25,4 +28,4 @@ python3 -m openrlhf_oppo.bench --gpus 4 --placement split --shape "${SHAPE:-qwen
   --extra=--vllm.gpu_memory_utilization --extra="${VLLM_UTIL:-0.6}" \
   --timeout 1200 --upstream_patches \
   --workdir "${WORKDIR:-/tmp/oppo-wl-4gpu}" --scratch "${SCRATCH:-/tmp/oppo-4gpu}" \
-  --out "${OUT_DIR:-runs/4gpu-${SHAPE:-qwen2.5-3b}}"
+  --out "${OUT_DIR:-runs/4gpu-${SHAPE:-qwen2.5-3b}}" "$@"
