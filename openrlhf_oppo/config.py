@@ -157,7 +157,8 @@ OPTIONS = {
             "'after_fit': as soon as the critic's own training ends, while the policy may still train (its weights "
             "are final by then); the critic's catch-up then overlaps the policy's training and the weight sync. "
             "Needs vLLM apart from the models (not --train.colocate_all or --ds.enable_sleep). Compare "
-            "oppo/critic_fit_s with oppo/policy_fit_s for the time it can gain.",
+            "oppo/critic_fit_s with oppo/policy_fit_s for the time it can gain; where the critic shares its GPUs "
+            "with the policy, its catch-up slows the policy's training by about as much as it saves.",
         ),
         "next_step",
     ),

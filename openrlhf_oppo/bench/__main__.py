@@ -57,7 +57,12 @@ def parse():
     parser.add_argument(
         "--oppo_extra", action="append", default=[], help="a train_ppo_ray flag for the OPPO systems only (repeat)"
     )
-    parser.add_argument("--tag", default="", help="appended to the system names in the results (a seed, say)")
+    parser.add_argument(
+        "--tag",
+        default="",
+        help="appended to the system names in the results (a seed, say); one that starts with a dash goes after "
+        "an equals sign: --tag=-seed1",
+    )
     parser.add_argument(
         "--upstream_patches",
         action="store_true",
