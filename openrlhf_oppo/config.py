@@ -149,6 +149,20 @@ OPTIONS = {
         ),
         "step_start",
     ),
+    "policy_logprobs": (
+        dict(
+            choices=["policy", "vllm"],
+            help="What computes the policy's log-probs of each batch (intra-step streaming with the policy "
+            "streaming). 'policy': the policy's own ranks, on the chunks streamed to them (equal to upstream's "
+            "forward). 'vllm': each rollout engine, with vLLM's prompt log-probs of its finished sequences on the "
+            "weights of the last sync; where a batch decodes while the models train, the policy's share of the "
+            "prefill after the sync then runs on the engines' GPUs instead of beside the critic's. vLLM's kernels "
+            "match the training forward to bf16 noise, not bit for bit. Needs --rollout.temperature 1 (prompt "
+            "log-probs come from the raw logits) and vLLM awake through the step (not --vllm.enable_sleep). The "
+            "engines' work shows in oppo/scorer_busy_s.",
+        ),
+        "policy",
+    ),
     "critic_catch_up": (
         dict(
             choices=["next_step", "after_fit"],
@@ -417,6 +431,12 @@ def _check_oppo(args) -> None:
             "the models apart from vLLM and awake through training (not --train.colocate_all or --ds.enable_sleep): "
             "use --oppo.critic_catch_up next_step there."
         )
+    if oppo.policy_logprobs == "vllm" and (args.rollout.temperature != 1.0 or args.vllm.enable_sleep):
+        raise OPPOConfigError(
+            "--oppo.policy_logprobs vllm takes vLLM's prompt log-probs, which come from the raw logits and need the "
+            "engines awake after the weight sync: it needs --rollout.temperature 1.0 (given "
+            f"{args.rollout.temperature:g}) and no --vllm.enable_sleep. Use --oppo.policy_logprobs policy there."
+        )
     if oppo.overcommit != "auto" and oppo.overcommit_rule != OPTIONS["overcommit_rule"][1]:
         raise OPPOConfigError(
             f"--oppo.overcommit_rule {oppo.overcommit_rule} moves Delta under --oppo.overcommit auto, but "
@@ -494,6 +514,13 @@ def _unused(names, what: str, instead: str) -> OPPOConfigError:
 def _check_streaming_plan(args, given) -> None:
     """Streaming settings that would quietly undo what was asked for."""
     oppo = args.oppo
+    if "policy_logprobs" in given and "policy" not in oppo.streamed_roles:
+        raise _unused(
+            ["policy_logprobs"],
+            "the streamed policy, and the policy does not stream here (intra-step streaming off, or vLLM on the "
+            "models' GPUs: --train.colocate_all)",
+            "stream the policy",
+        )
     if not oppo.streamed_roles:
         if oppo.intra_step == "on":
             raise OPPOConfigError(
@@ -607,4 +634,6 @@ def describe(args) -> str:
             f"top-up at {oppo.top_up.replace('_', ' ')}"
             + (", the critic's catch-up after its fit" if oppo.critic_catch_up == "after_fit" else "")
         )
+    if oppo.policy_logprobs == "vllm" and "policy" in oppo.streamed_roles:
+        parts.append("the policy's log-probs from vLLM")
     return "OPPO on: " + "; ".join(parts)

@@ -7,7 +7,10 @@ that says which actor and what the trainer was doing.
 
 One step, in call order (``docs/design.md`` draws it):
 
-1. ``connect`` once, after the models are loaded: scorers built, rollout actors told where to stream.
+1. ``connect`` once, after the models are loaded: scorers built, rollout actors told where to stream. With
+   ``--oppo.policy_logprobs vllm`` the engines score the policy's log-probs themselves: for that role the
+   rollout actors stand where its ranks would (rank i is engine i) and answer ``collect``, ``discard`` and
+   ``stats``.
 2. ``release``: chunks held through the last training go out (inter-step overlap only); the critic's may have
    gone out when its own training ended (``--oppo.critic_catch_up after_fit``).
 3. Generation: the rollout actors stream chunks straight to the scorers (``oppo_prefill``), no trainer call.
@@ -61,10 +64,16 @@ class StreamCoordinator:
         timeout_s: the longest any call may take before the run stops with an error naming the actor.
         beside_vllm: the roles whose ranks sit on the engines' GPUs (``--oppo.frozen_scorers_on generation``):
             training does not hold their chunks.
+        scored_by_engines: the roles the engines score themselves (``--oppo.policy_logprobs vllm``: the policy).
     """
 
     def __init__(
-        self, engines: Sequence, groups: Dict[str, object], timeout_s: float = 900.0, beside_vllm: Sequence[str] = ()
+        self,
+        engines: Sequence,
+        groups: Dict[str, object],
+        timeout_s: float = 900.0,
+        beside_vllm: Sequence[str] = (),
+        scored_by_engines: Sequence[str] = (),
     ):
         unknown = set(groups) - set(ROLES)
         if unknown:
@@ -72,7 +81,12 @@ class StreamCoordinator:
         self.engines = list(engines or [])
         self.groups = dict(groups)
         # RayActorGroup exposes no accessor for its actors: this is the one place that reads them.
-        self.scorers = {role: list(group._actor_handlers) for role, group in self.groups.items()}  # noqa: SLF001
+        self.models = {role: list(group._actor_handlers) for role, group in self.groups.items()}  # noqa: SLF001
+        self.scored_by_engines = tuple(role for role in scored_by_engines if role in self.groups)
+        # Where each role's scores live: its model's ranks, or the engines.
+        self.scorers = {
+            role: self.engines if role in self.scored_by_engines else actors for role, actors in self.models.items()
+        }
         self.timeout_s = timeout_s
         self.beside_vllm = tuple(beside_vllm)
         self.held: List[str] = []  # the roles whose chunks queue (``hold``)
@@ -90,19 +104,23 @@ class StreamCoordinator:
         ``affinity``: role -> for each engine, the rank it sends that role's chunks to (a frozen scorer
         sharing the engine's GPU, say). Roles left out are balanced over their ranks by each engine.
         """
+        streamed = self._scoring_actors()
         self._wait(
             [(f"{role} rank {rank}", actor.oppo_setup.remote(role=role, **scorer_settings))
-             for role, actors in self.scorers.items() for rank, actor in enumerate(actors)],
+             for role, actors in streamed.items() for rank, actor in enumerate(actors)],
             "setting up the scorers",
         )  # fmt: skip
         calls = []
         for index, engine in enumerate(self.engines):
-            pinned = {
-                role: ranks[index % len(ranks)] for role, ranks in (affinity or {}).items() if role in self.scorers
-            }
-            calls.append(
-                (f"rollout engine {index}", engine.oppo_connect.remote(self.scorers, pinned, **stream_settings))
+            pinned = {role: ranks[index % len(ranks)] for role, ranks in (affinity or {}).items() if role in streamed}
+            connect = engine.oppo_connect.remote(
+                streamed,
+                pinned,
+                **stream_settings,
+                engine_index=index,
+                score_policy="policy" in self.scored_by_engines,
             )
+            calls.append((f"rollout engine {index}", connect))
         self._wait(calls, "connecting the rollout actors")
 
     def disconnect(self) -> None:
@@ -204,22 +222,23 @@ class StreamCoordinator:
         self._wait(calls, "discarding dropped sequences")
 
     def stats(self) -> Dict[str, List[ScorerStats]]:
-        """Each scoring actor's counters, per role and rank (its prefill calls since the last ``stats``)."""
-        return self._ask_each("oppo_stats", "reading scorer stats", engines=False)
+        """Each scoring actor's counters, per role and rank (its prefill calls since the last ``stats``); for a
+        role the engines score, each engine's."""
+        return self._ask_each("oppo_stats", "reading scorer stats", self.scorers, engines=False)
 
     def resources(self) -> Dict[str, List[ResourceReading]]:
-        """The memory each rollout actor (``rollout``) and each scoring actor (by role, per rank) holds, and the
-        CPU time it has used."""
-        return self._ask_each("oppo_resources", "reading memory and CPU time", engines=True)
+        """The memory each rollout actor (``rollout``) and each model's rank (by role) holds, and the CPU time
+        it has used."""
+        return self._ask_each("oppo_resources", "reading memory and CPU time", self.models, engines=True)
 
     def drain_traces(self) -> list:
-        answers = self._ask_each("oppo_drain_trace", "collecting traces", engines=True)
+        answers = self._ask_each("oppo_drain_trace", "collecting traces", self._scoring_actors(), engines=True)
         return [event for per_actor in answers.values() for events in per_actor for event in events]
 
     def forward(self, role: str, kwargs: dict) -> List[ray.ObjectRef]:
         """Upstream's ``forward`` over these micro-batches, spread over the role's ranks even when there are
         fewer micro-batches than ranks (upstream's ``async_run_method_batch`` refuses that)."""
-        group, actors = self.groups[role], self.scorers[role]
+        group, actors = self.groups[role], self.models[role]
         count = len(next(iter(kwargs.values())))
         if count >= len(actors):
             return group.async_run_method_batch(method_name="forward", **kwargs)
@@ -230,9 +249,13 @@ class StreamCoordinator:
 
     # -- calls -----------------------------------------------------------------------------------------
 
-    def _ask_each(self, method: str, doing: str, engines: bool) -> Dict[str, list]:
-        """``method``'s answer from every scoring actor, by role in rank order, and with ``engines`` from every
-        rollout actor, under ``rollout`` (first)."""
+    def _scoring_actors(self) -> Dict[str, list]:
+        """The model ranks that score streamed chunks, by role (not those of roles the engines score)."""
+        return {role: actors for role, actors in self.models.items() if role not in self.scored_by_engines}
+
+    def _ask_each(self, method: str, doing: str, actors: Dict[str, list], engines: bool) -> Dict[str, list]:
+        """``method``'s answer from each of ``actors`` (role -> handles), by role in rank order, and with
+        ``engines`` from every rollout actor, under ``rollout`` (first)."""
         calls = []
         if engines:
             calls += [
@@ -240,8 +263,8 @@ class StreamCoordinator:
             ]
         calls += [
             (role, f"{role} rank {rank}", getattr(actor, method).remote())
-            for role in self.roles
-            for rank, actor in enumerate(self.scorers[role])
+            for role, handles in actors.items()
+            for rank, actor in enumerate(handles)
         ]
         answers = {}
         for (kind, _, _), answer in zip(calls, self._wait([(name, ref) for _, name, ref in calls], doing)):

@@ -68,6 +68,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             {role: groups[role] for role in oppo.streamed_roles},
             timeout_s=oppo.call_timeout_s,
             beside_vllm=FROZEN_ROLES if oppo.frozen_scorers_on == "generation" else (),
+            scored_by_engines=("policy",) if oppo.policy_logprobs == "vllm" else (),
         )
         self.samples_generator = self._make_samples_generator(strategy, vllm_engines)
         if oppo.streamed_roles:
@@ -198,9 +199,11 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         return metrics
 
     def _update_chunk_size(self, stats: dict) -> dict:
+        # An engine scores whole sequences (--oppo.policy_logprobs vllm): the chunk size does not set its load.
         calls_by_scorer = {
             f"{role}:{rank}": rank_stats.calls
             for role, ranks in stats.items()
+            if role not in self.coordinator.scored_by_engines
             for rank, rank_stats in enumerate(ranks)
         }
         before = self.chunk_controller.chunk_size

@@ -120,6 +120,13 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--train.colocate_all", "--oppo.critic_catch_up", "after_fit"], "not --train.colocate_all"),
         (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.critic_catch_up", "after_fit"], "overcommit 0 turns off"),
         (["--oppo.enable", "--oppo.intra_step", "off", "--oppo.critic_catch_up", "after_fit"], "no critic streams"),
+        (["--oppo.enable", "--oppo.policy_logprobs", "vllm", "--rollout.temperature", "0.7"], "given 0.7"),
+        (["--oppo.enable", "--oppo.policy_logprobs", "vllm", "--vllm.enable_sleep"], "no --vllm.enable_sleep"),
+        (["--oppo.enable", "--train.colocate_all", "--oppo.policy_logprobs", "vllm"], "the policy does not stream"),
+        (
+            ["--oppo.enable", "--oppo.intra_step", "off", "--oppo.policy_logprobs", "vllm"],
+            "the policy does not stream",
+        ),
         (["--oppo.colocate_models", "--train.colocate_all"], "two different placements"),
         (["--oppo.colocate_models", "--ref.num_gpus_per_node", "1"], "--ref.num_nodes"),
         # Settings that would quietly undo what was asked for, with what to use instead.
@@ -285,3 +292,12 @@ def test_frozen_scorers_beside_vllm_need_the_split_placement():
     argv = [a for a in SPLIT_2GPU if a != "--oppo.colocate_models"]
     with pytest.raises(OPPOConfigError, match="add --oppo.colocate_models"):
         parse_args(argv + ["--oppo.frozen_scorers_on", "generation", "--vllm.gpu_memory_utilization", "0.7"])
+
+
+def test_policy_logprobs_from_vllm_leave_the_policy_streamed_and_say_so(capsys):
+    """``--oppo.policy_logprobs vllm``: the policy is still a streamed role (its scores come with the stream), the
+    trainer's coordinator puts the engines where its ranks would be (``OPPOTrainer.__init__``), and the log says
+    so before Ray starts."""
+    args = parse_args(BASE + ["--oppo.enable", "--oppo.policy_logprobs", "vllm"])
+    assert args.oppo.policy_logprobs == "vllm" and "policy" in args.oppo.streamed_roles
+    assert "the policy's log-probs from vLLM" in capsys.readouterr().out

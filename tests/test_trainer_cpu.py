@@ -105,6 +105,27 @@ def test_the_critic_catches_up_as_soon_as_its_training_ends(checkpoints, engine,
     assert not any(prefills_while_training(trace, "policy") for trace in traces)
 
 
+def test_the_engine_scores_the_policys_logprobs(checkpoints, engine, tmp_path):
+    """``--oppo.policy_logprobs vllm``: the engine scores the policy's log-probs of its samples (no micro-batch
+    falls back to the policy's forward, and the policy's ranks, which have no scorer, prefill nothing), every
+    prompt is trained once and no score is left behind."""
+    prompts = str(tmp_path / "prompts.jsonl")
+    tiny.write_prompts(prompts, LENGTHS, seed=3)
+    steps = run(
+        checkpoints, engine, tmp_path, prompts,
+        "--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8", "--oppo.policy_logprobs", "vllm",
+        "--rollout.temperature", "1.0", "--oppo.trace_dir", str(tmp_path / "trace"),
+    )  # fmt: skip
+    assert sum(s["rollout/num_samples"] for s in steps) == len(LENGTHS) * 2
+    for step in steps:
+        assert step["oppo/fallback_micro_batches"] == 0
+        assert step["oppo/scores_waiting"] <= step["oppo/carried_groups"] * 2  # only carried samples wait
+    traces = glob.glob(str(tmp_path / "trace" / "step_*.json"))
+    events = [event for trace in traces for event in json.load(open(trace))["traceEvents"]]
+    prefills = {event["tid"] for event in events if event["name"] == "prefill"}
+    assert "critic" in prefills and "policy" not in prefills
+
+
 def test_checkpoint_keeps_carried_prompts_and_resume_trains_them_first(checkpoints, engine, tmp_path):
     prompts = str(tmp_path / "prompts.jsonl")
     tiny.write_prompts(prompts, LENGTHS, seed=4)

@@ -12,8 +12,8 @@
 # OpenRLHF's own recipes use 32 and 8 (with sample packing).
 # VLLM_UTIL is vLLM's share of its GPUs, the same for every system; the rest holds the frozen models beside it.
 # Further arguments go to the benchmark, e.g. an OPPO variant beside the baselines:
-#   DELTA=64 SYSTEMS=oppo-both bash examples/scripts/bench_4gpu_split.sh --tag=-critic-after-fit \
-#     --oppo_extra=--oppo.critic_catch_up --oppo_extra=after_fit
+#   DELTA=64 SYSTEMS=oppo-both bash examples/scripts/bench_4gpu_split.sh --tag=-policy-logprobs-vllm \
+#     --oppo_extra=--oppo.policy_logprobs --oppo_extra=vllm
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -11,6 +11,11 @@ of the response tokens) and the critic (values):
 * ``chunked``: ``ChunkScorer`` given the sequences in chunks of ``--chunk_size`` tokens, a call per round:
   what they do while the engine decodes.
 
+With ``--vllm``, two passes of the policy alone follow: ``whole_policy_only`` (the scorer, whole sequences) and
+``vllm_prompt_logprobs`` (a vLLM engine on the same checkpoint, one-token requests with prompt log-probs:
+what ``--oppo.policy_logprobs vllm`` runs on the engines' GPUs after a weight sync). Their differences are
+over the log-probs only.
+
 Each is run ``--repeats`` times after one warm-up; the median seconds and tokens/s are printed and written to
 ``--out`` with the largest and the mean difference between the scorer's outputs and upstream's (bf16 on a GPU,
 float32 on the CPU). ``upstream_one_a_batch`` is upstream's forward with one sequence a micro-batch, timed
@@ -40,16 +45,16 @@ from openrlhf_oppo.streaming.scorer import ChunkScorer
 PROMPT_TOKENS = 64
 
 
-def load_models(shape: str, device: str, dtype: torch.dtype):
+def load_models(folder: str, shape: str, device: str, dtype: torch.dtype):
+    """The policy and critic of a random checkpoint of ``shape``, written to ``folder``; and the policy's path."""
     from openrlhf.models import Actor, get_llm_for_sequence_regression
 
-    with tempfile.TemporaryDirectory(prefix="prefill-cost-") as folder:
-        actor_path, reward_path = tiny.make_checkpoints(folder, shape=shape, dtype="bfloat16", seed=0)
-        actor = Actor(actor_path, attn_implementation="sdpa", param_dtype="bf16")
-        critic = get_llm_for_sequence_regression(reward_path, "critic", param_dtype="bf16", attn_implementation="sdpa")
+    actor_path, reward_path = tiny.make_checkpoints(folder, shape=shape, dtype="bfloat16", seed=0)
+    actor = Actor(actor_path, attn_implementation="sdpa", param_dtype="bf16")
+    critic = get_llm_for_sequence_regression(reward_path, "critic", param_dtype="bf16", attn_implementation="sdpa")
     actor.model.to(device=device, dtype=dtype).eval()
     critic.to(device=device, dtype=dtype).eval()
-    return actor, critic
+    return actor, critic, actor_path
 
 
 def make_sequences(args, vocab_size: int):
@@ -83,7 +88,8 @@ def upstream(actor, critic, sequences, micro_batch: int, device: str):
 
 @torch.no_grad()
 def scorer_pass(scorers, sequences, chunk_size):
-    """Every sequence through both scorers, in chunks of ``chunk_size`` (None: whole), as the protocol sends."""
+    """Every sequence through the scorers (per sequence, their outputs in order), in chunks of ``chunk_size``
+    (None: whole), as the protocol sends."""
     results = {role: {} for role in scorers}
     sent = [0] * len(sequences)
     while any(s is not None for s in sent):
@@ -96,10 +102,29 @@ def scorer_pass(scorers, sequences, chunk_size):
             sent[i] = None if end == len(tokens) else end
         for role, scorer in scorers.items():
             results[role].update(scorer.process(chunks))
+    return [tuple(results[role][f"s{i}"].output.float().cpu() for role in scorers) for i in range(len(sequences))]
+
+
+def vllm_pass(llm, sequences):
+    """The policy's log-probs of the response tokens from vLLM's prompt log-probs, as
+    ``streaming/engine_logprobs.py`` asks for them (critic: none)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=tokens) for tokens in sequences]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     return [
-        (results["policy"][f"s{i}"].output.float().cpu(), results["critic"][f"s{i}"].output.float().cpu())
-        for i in range(len(sequences))
+        (torch.tensor([out.prompt_logprobs[i][tokens[i]].logprob for i in range(PROMPT_TOKENS, len(tokens))]),)
+        for out, tokens in zip(outputs, sequences)
     ]
+
+
+def start_vllm(path: str, dtype: torch.dtype, device: str, max_len: int):
+    from vllm import LLM
+
+    # Prefill only: no CUDA graphs to capture. vLLM's share leaves the policy and critic their room on the card.
+    memory = dict(gpu_memory_utilization=0.5) if device == "cuda" else dict(kv_cache_memory_bytes=256 << 20)
+    return LLM(path, dtype=dtype, max_model_len=max_len, enforce_eager=True, seed=0, **memory)
 
 
 def timed(run, repeats: int, device: str):
@@ -132,6 +157,7 @@ def main():
     parser.add_argument("--micro_batch", type=int, default=8, help="upstream's --rollout.micro_batch_size")
     parser.add_argument("--chunk_size", type=int, default=256, help="tokens per chunk in the chunked pass")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vllm", action="store_true", help="also time vLLM's prompt log-probs (the policy only)")
     parser.add_argument("--out", required=True, help="the figures, as JSON")
     add_workload_arguments(parser)
     args = parser.parse_args()
@@ -140,7 +166,8 @@ def main():
         parser.error("--device cuda: no CUDA device here; use --device cpu")
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32  # float32 only on the CPU
-    actor, critic = load_models(args.shape, args.device, dtype)
+    folder = tempfile.TemporaryDirectory(prefix="prefill-cost-")
+    actor, critic, actor_path = load_models(folder.name, args.shape, args.device, dtype)
     sequences = make_sequences(args, actor.model.config.vocab_size)
     tokens = sum(len(s) for s in sequences)
 
@@ -158,13 +185,26 @@ def main():
     for name, chunk_size in (("whole", None), ("chunked", args.chunk_size)):
         outputs, seconds = timed(lambda: scorer_pass(scorers(), sequences, chunk_size), args.repeats, args.device)
         passes[name] = dict(seconds=seconds, **differences(outputs, reference))
+    if args.vllm:
+        policy_only = [(log_probs,) for log_probs, _ in reference]
+        budget = 1 << 40
+        outputs, seconds = timed(
+            lambda: scorer_pass(dict(policy=ChunkScorer(actor.model, "policy", budget)), sequences, None),
+            args.repeats,
+            args.device,
+        )
+        passes["whole_policy_only"] = dict(seconds=seconds, **differences(outputs, policy_only))
+        llm = start_vllm(actor_path, dtype, args.device, max(len(s) for s in sequences) + 1)
+        outputs, seconds = timed(lambda: vllm_pass(llm, sequences), args.repeats, args.device)
+        passes["vllm_prompt_logprobs"] = dict(seconds=seconds, **differences(outputs, policy_only))
+    folder.cleanup()
     for figures in passes.values():
         figures["tokens_per_s"] = tokens / figures["seconds"]
 
     result = dict(
         command="python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
         machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
-        versions=dict(torch=torch.__version__),
+        versions=dict(torch=torch.__version__, **({"vllm": __import__("vllm").__version__} if args.vllm else {})),
         shape=args.shape,
         dtype=str(dtype).removeprefix("torch."),
         sequences=len(sequences),

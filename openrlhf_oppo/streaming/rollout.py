@@ -8,7 +8,8 @@ the id its scores are filed under; the experience maker flushes the outboxes and
 
 The same actor also keeps requests across weight updates for inter-step overlap (pause, resume,
 sleep without aborting) and salts prompts with the weight version so that no prefix-cache entry
-computed with old weights serves a new request.
+computed with old weights serves a new request. With ``--oppo.policy_logprobs vllm`` it also scores the
+policy's log-probs of its finished samples itself (``engine_logprobs``).
 """
 
 import asyncio
@@ -24,7 +25,8 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
-from openrlhf_oppo.protocol import Chunk, ResourceReading, StreamInfo
+from openrlhf_oppo.protocol import Chunk, ResourceReading, ScorerStats, StreamInfo
+from openrlhf_oppo.streaming.engine_logprobs import EngineLogprobs
 from openrlhf_oppo.streaming.reaper import end_children_with_this_process
 from openrlhf_oppo.trace import Tracer
 from openrlhf_oppo.weight_sync import WeightSyncRolloutMixin
@@ -162,6 +164,7 @@ class SampleStream:
     last_version: Optional[int] = None
     last_token_time: float = 0.0
     replaced_uid: Optional[str] = None  # the stream closed by ``finish`` when the sample was edited
+    engine_ranks: Dict[str, int] = field(default_factory=dict)  # role -> this engine, for roles it scores itself
 
     def __post_init__(self):
         if self.outbox is not None:
@@ -192,6 +195,9 @@ class SampleStream:
 
     def finish(self, final_tokens: List[int]) -> None:
         """Queue the last chunk: the sequence is exactly ``final_tokens`` (what training sees)."""
+        if self.outbox is None:  # scored by the engine alone
+            self.sent, self.pending = list(final_tokens), []
+            return
         known = self.sent + self.pending
         if final_tokens[: len(known)] != known:
             # The sample was edited after generation (truncated, or an agent rewrote it). Close the
@@ -211,7 +217,7 @@ class SampleStream:
             last_version=self.last_version,
             last_token_time=self.last_token_time,
             length=len(self.sent),
-            ranks=dict(self.ranks),
+            ranks={**self.ranks, **self.engine_ranks},
             replaced_uid=self.replaced_uid,
         )
 
@@ -233,6 +239,8 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         self.active_requests, self.active_since = 0, 0.0
         self.streams = set()  # samples being generated
         self.hf_tokenizer = None  # sent once (oppo_set_tokenizer) rather than with every call
+        self.engine_index = 0
+        self.policy_logprobs: Optional[EngineLogprobs] = None  # --oppo.policy_logprobs vllm
 
     # -- set-up from the trainer ---------------------------------------------------------------
 
@@ -244,19 +252,28 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         salt_prompts: bool,
         calls_in_flight: int,
         flush_interval_s: float,
+        engine_index: int = 0,
+        score_policy: bool = False,
     ) -> None:
         """Stream to ``scorers`` (role -> actor handle per rank) from now on; ``pinned``: role -> the rank
-        that scores every sequence of this engine. ``salt_prompts``: requests outlive weight updates."""
+        that scores every sequence of this engine. ``salt_prompts``: requests outlive weight updates.
+        ``score_policy``: this engine, ``engine_index`` among them, scores the policy's log-probs itself."""
         await self.oppo_disconnect()
         if scorers:
             self.outbox = ChunkOutbox(scorers, pinned, calls_in_flight, flush_interval_s)
         self.chunk_size = chunk_size
         self.salt_prompts = salt_prompts
+        self.engine_index = engine_index
+        if score_policy:
+            self.policy_logprobs = EngineLogprobs(self.llm, lambda: self.weight_version, salt_prompts, self.tracer)
 
     async def oppo_disconnect(self) -> None:
         if self.outbox is not None:
             self.outbox.close()
         self.outbox = None
+        if self.policy_logprobs is not None:
+            self.policy_logprobs.discard(list(self.policy_logprobs.finished))
+        self.policy_logprobs = None
 
     def oppo_set_tokenizer(self, hf_tokenizer) -> None:
         self.hf_tokenizer = hf_tokenizer
@@ -272,6 +289,19 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         """Keep the chunks of ``roles`` queued; send the others' as they come (``[]`` releases all)."""
         if self.outbox is not None:
             self.outbox.hold(roles)
+        if self.policy_logprobs is not None:
+            self.policy_logprobs.hold("policy" in roles)
+
+    # -- the policy's log-probs, where this engine scores them (the policy role's "rank" is the engine) --
+
+    async def oppo_collect(self, uids) -> dict:
+        return await self.policy_logprobs.collect(uids)
+
+    def oppo_discard(self, uids) -> None:
+        self.policy_logprobs.discard(uids)
+
+    def oppo_stats(self) -> ScorerStats:
+        return self.policy_logprobs.stats()
 
     def oppo_flush(self, uids=None) -> List[Tuple[str, ray.ObjectRef]]:
         """Send the queued chunks of ``uids`` (all if None) now; return the prefill calls still running, each
@@ -298,6 +328,8 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         self.weight_version = weight_version
         if resume:
             await self.llm.resume_generation()
+        if self.policy_logprobs is not None and not self.policy_logprobs.held:
+            self.policy_logprobs.refresh()
 
     async def sleep(self, level=1):
         # Upstream sleeps with vLLM's default mode "abort", which would end carried requests. "keep"
@@ -322,6 +354,8 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
 
     async def _generate_sample(self, prompt, label, sampling_params, max_length, hf_tokenizer, images):
         stream = SampleStream(random_uuid(), self.outbox if self.streaming else None, self.chunk_size)
+        if self.streaming and self.policy_logprobs is not None:
+            stream.engine_ranks["policy"] = self.engine_index
         _CURRENT_SAMPLE.set(stream)  # this coroutine runs as its own task: the value stays in it
         self.streams.add(stream)
         try:
@@ -336,9 +370,11 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
             )
         finally:
             self.streams.discard(stream)
-        if stream.outbox is not None:
+        if stream.outbox is not None or stream.engine_ranks:
             # The samples generator truncates to max_length; score exactly what training sees.
             stream.finish(response["observation_tokens"][:max_length])
+        if stream.engine_ranks and self.policy_logprobs is not None:
+            self.policy_logprobs.add(stream.uid, stream.sent, stream.prompt_len)
         response["stream_info"] = stream.info()
         return response
 
@@ -346,7 +382,7 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         stream = _CURRENT_SAMPLE.get()
         self._track_activity(+1)
         try:
-            if stream is not None and (stream.outbox is not None or self.salt_prompts):
+            if stream is not None and (stream.outbox is not None or self.salt_prompts or stream.engine_ranks):
                 return await self._generate_streamed(stream, prompt_token_ids, sampling_params, multi_modal_data)
             result = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
             if stream is not None:

@@ -138,6 +138,10 @@ class CPUPolicyModelActor(_CPUModel, _CPUTraining, actors.StreamingPolicyModelAc
     def load(self, args, path):
         self.actor = _causal_model(args, path)
 
+    def set_temperature(self, temperature: float) -> None:
+        """The temperature upstream's forward divides the logits by (vLLM's prompt log-probs have none)."""
+        self.actor.temperature = temperature
+
 
 ACTOR_CLASSES = {
     "policy": ray.remote(CPUPolicyModelActor),
@@ -286,7 +290,7 @@ class CPUPipeline:
 
     def kill(self):
         """End the model actors (the engines are shared and outlive a pipeline)."""
-        for handles in self.coordinator.scorers.values():
+        for handles in self.coordinator.models.values():
             for handle in handles:
                 ray.kill(handle)
 
