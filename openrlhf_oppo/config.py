@@ -159,7 +159,7 @@ OPTIONS = {
             "prefill after the sync then runs on the engines' GPUs instead of beside the critic's. vLLM's kernels "
             "match the training forward to bf16 noise, not bit for bit. Needs --rollout.temperature 1 (prompt "
             "log-probs come from the raw logits) and vLLM awake through the step (not --vllm.enable_sleep). The "
-            "engines' work shows in oppo/scorer_busy_s.",
+            "engines' work shows in oppo/busy_s/policy.",
         ),
         "policy",
     ),

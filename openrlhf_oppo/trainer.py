@@ -282,19 +282,22 @@ def scorer_metrics(stats: dict) -> dict:
     a count that grows step after step is a leak, as is ``score_tombstones`` (discarded sequences whose last
     chunk has not landed). ``scorer_cached_gb``: KV caches of sequences still streaming. ``scorer_evictions``:
     sequences that lost their cache to ``--oppo.cache_budget_gb`` since the start (scored in full at the end).
-    ``scorer_busy_s``: seconds the busiest scorer spent in prefill calls since the last step.
+    ``scorer_busy_s``: seconds the busiest scorer spent in prefill calls since the last step; ``busy_s/<role>``:
+    the same for that role's busiest rank (for the policy under ``--oppo.policy_logprobs vllm``, the busiest
+    engine's time scoring its log-probs).
     """
 
     def most(value):
         return float(max(sum(value(rank) for rank in ranks) for ranks in stats.values()))
 
-    busy = max(sum(seconds for _, seconds, _ in rank.calls) for ranks in stats.values() for rank in ranks)
+    busy = {role: max(sum(seconds for _, seconds, _ in rank.calls) for rank in ranks) for role, ranks in stats.items()}
     return {
         "oppo/scores_waiting": most(lambda rank: rank.waiting),
         "oppo/score_tombstones": most(lambda rank: rank.tombstones),
         "oppo/scorer_cached_gb": most(lambda rank: rank.cached_bytes) / 2**30,
         "oppo/scorer_evictions": most(lambda rank: rank.evictions),
-        "oppo/scorer_busy_s": float(busy),
+        "oppo/scorer_busy_s": float(max(busy.values())),
+        **{f"oppo/busy_s/{role}": float(seconds) for role, seconds in busy.items()},
     }
 
 

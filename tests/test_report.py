@@ -124,21 +124,24 @@ def test_memory_table_and_plot_from_logged_memory(tmp_path):
 
 
 def test_cpu_table_from_host_samples_and_logged_cpu_time(tmp_path):
-    """A run with the harness's host CPU samples and OPPO's ``oppo/cpu/*`` and ``oppo/<role>_fit_s`` gets a row
-    per system: the busy cores over the measured steps (mean and p90), each actor's CPU seconds a step and each
-    model's fit, means over the measured steps; a system that logged none shows dashes."""
+    """A run with the harness's host CPU samples and OPPO's ``oppo/cpu/*``, ``oppo/<role>_fit_s`` and
+    ``oppo/busy_s/<role>`` gets a row per system: the busy cores over the measured steps (mean and p90), each
+    role's scoring time, each actor's CPU seconds a step and each model's fit, means over the measured steps; a
+    system that logged none shows dashes."""
     run = report.run_results(str(RESULTS / "split-2gpu-1.5b-lognormal-patched-top-up-at-step-end"))
     warmup, count = run["settings"]["warmup"], run["settings"]["steps"]
     for i, step in enumerate(run["systems"]["oppo-both"]["steps"]):
         step["oppo/cpu/rollout_s"] = 2.0 if warmup <= i < warmup + count else 50.0  # outside: not counted
         step["oppo/cpu/policy_s"] = 0.5
         step["oppo/policy_fit_s"] = 4.25
+        step["oppo/busy_s/critic"] = 0.75
     run["systems"]["oppo-both"]["cpu_samples"] = [[t, float(t % 10)] for t in range(10)]  # 0..9 cores
     report.write(run, str(tmp_path))
     lines = (tmp_path / "table.md").read_text().splitlines()
     header = lines.index(
-        "| system | host cores busy, mean | p90 | policy CPU s a step | rollout CPU s a step | policy fit (s) |"
+        "| system | host cores busy, mean | p90 | critic scoring (s) | policy CPU s a step | rollout CPU s a step "
+        "| policy fit (s) |"
     )
     rows = {line.split(" | ")[0][2:]: line for line in lines[header + 2 : header + 2 + len(run["systems"])]}
-    assert rows["oppo-both"] == "| oppo-both | 4.5 | 8 | 0.5 | 2 | 4.25 |"
-    assert rows["upstream-sync"] == "| upstream-sync | - | - | - | - | - |"
+    assert rows["oppo-both"] == "| oppo-both | 4.5 | 8 | 0.75 | 0.5 | 2 | 4.25 |"
+    assert rows["upstream-sync"] == "| upstream-sync | - | - | - | - | - | - |"

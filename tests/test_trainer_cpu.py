@@ -120,6 +120,7 @@ def test_the_engine_scores_the_policys_logprobs(checkpoints, engine, tmp_path):
     for step in steps:
         assert step["oppo/fallback_micro_batches"] == 0
         assert step["oppo/scores_waiting"] <= step["oppo/carried_groups"] * 2  # only carried samples wait
+        assert step["oppo/busy_s/policy"] > 0 and step["oppo/busy_s/critic"] > 0  # the engine's time, the critic's
     traces = glob.glob(str(tmp_path / "trace" / "step_*.json"))
     events = [event for trace in traces for event in json.load(open(trace))["traceEvents"]]
     prefills = {event["tid"] for event in events if event["name"] == "prefill"}

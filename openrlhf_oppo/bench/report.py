@@ -145,26 +145,36 @@ def table(results: dict) -> str:
 
 
 def cpu_keys(result: dict) -> list:
-    """The ``oppo/cpu/*`` metrics (CPU seconds an actor used in a step) and ``oppo/<role>_fit_s`` (a model's own
-    training) a system logged, in a stable order."""
+    """The ``oppo/cpu/*`` metrics (CPU seconds an actor used in a step), ``oppo/<role>_fit_s`` (a model's own
+    training) and ``oppo/busy_s/<role>`` (a role's busiest scorer's time in prefill) a system logged, in a stable
+    order."""
     return sorted(
-        {k for step in result.get("steps") or [] for k in step if k.startswith("oppo/cpu/") or k.endswith("_fit_s")}
+        {
+            k
+            for step in result.get("steps") or []
+            for k in step
+            if k.startswith(("oppo/cpu/", "oppo/busy_s/")) or k.endswith("_fit_s")
+        }
     )
+
+
+def _cpu_label(key: str) -> str:
+    if key.startswith("oppo/cpu/"):
+        return f"{key.removeprefix('oppo/cpu/').removesuffix('_s')} CPU s a step"
+    if key.startswith("oppo/busy_s/"):
+        return f"{key.removeprefix('oppo/busy_s/')} scoring (s)"
+    return f"{key.removeprefix('oppo/').removesuffix('_fit_s')} fit (s)"
 
 
 def cpu_table(results: dict) -> list:
     """Per system, how many of the host's cores were busy over the measured steps (the harness's samples), and
     for OPPO systems the CPU seconds each actor used a step (its busiest rank; the rollout actor's include its
-    vLLM engine core) and each model's own training time: a host short of cores slows every process on it,
-    training included, and the training phase is the longer of the two models' fits plus the calls."""
+    vLLM engine core), each model's own training time and each role's scoring time (its busiest rank's prefill
+    calls): a host short of cores slows every process on it, training included, and the training phase is the
+    longer of the two models' fits plus the calls."""
     warmup, count = results["settings"]["warmup"], results["settings"]["steps"]
     keys = sorted({k for r in results["systems"].values() for k in cpu_keys(r)})
-    labels = [
-        f"{k.removeprefix('oppo/cpu/').removesuffix('_s')} CPU s a step" if k.startswith("oppo/cpu/")
-        else f"{k.removeprefix('oppo/').removesuffix('_fit_s')} fit (s)"
-        for k in keys
-    ]  # fmt: skip
-    header = ["system", "host cores busy, mean", "p90", *labels]
+    header = ["system", "host cores busy, mean", "p90", *map(_cpu_label, keys)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, result in results["systems"].items():
         busy = sorted(cores for _, cores in result.get("cpu_samples") or [])
