@@ -200,45 +200,59 @@ def test_training_holds_only_the_roles_on_the_training_gpus(pipeline, workload, 
         pipeline.disconnect()
 
 
-def test_policy_logprobs_from_the_engine(pipeline, workload, monkeypatch):
-    """``--oppo.policy_logprobs vllm``: the engine scores the policy's log-probs of its finished samples itself,
-    with vLLM's prompt log-probs, and the policy's ranks get no chunk. Held through training it scores nothing;
-    released, it scores them; a new weight version makes it score them again before it answers. The
-    experiences are upstream's (float32 here; in bf16 vLLM's kernels differ from the training forward)."""
+@pytest.fixture
+def engine_scores_the_policy(pipeline, monkeypatch):
+    """``--oppo.policy_logprobs vllm``: the engine scores the policy's log-probs, and the policy's forward runs at
+    temperature 1, as vLLM's prompt log-probs do (the tests' rollouts sample at 0.9)."""
     from openrlhf_oppo.coordinator import StreamCoordinator
 
     coordinator = StreamCoordinator(pipeline.engines, pipeline.groups, scored_by_engines=("policy",))
     monkeypatch.setattr(pipeline, "coordinator", coordinator)
     pipeline.connect(4)
-    engine = pipeline.engines[0]
-    try:
-        coordinator.hold()
-        samples = generate(pipeline, workload([9, 30, 12, 17], seed=43))
-        assert all(s.stream.ranks["policy"] == 0 for s in samples)
-        flush_all(engine)
-        held = scorer_stats(pipeline)
-        assert (held["policy"].final_tokens, held["policy"].waiting) == (0, len(samples))
-        tokens = sum(s.stream.length for s in samples)
+    policy = coordinator.models["policy"]
+    ray.get([actor.set_temperature.remote(1.0) for actor in policy])
+    yield coordinator
+    ray.get([actor.set_temperature.remote(pipeline.args.rollout.temperature) for actor in policy])
+    ray.get(pipeline.engines[0].oppo_resume.remote(weight_version=0, resume=False))
+    coordinator.release()
+    pipeline.disconnect()
 
-        coordinator.release()
-        deadline = time.time() + 120
-        while scorer_stats(pipeline)["policy"].final_tokens < tokens and time.time() < deadline:
-            time.sleep(0.2)
-        assert scorer_stats(pipeline)["policy"].final_tokens == tokens
-        ray.get(engine.oppo_resume.remote(weight_version=1, resume=False))  # a weight sync landed
 
-        # vLLM's prompt log-probs are at temperature 1 (--oppo.policy_logprobs vllm requires it); the tests'
-        # rollouts sample at 0.9.
-        ray.get([actor.set_temperature.remote(1.0) for actor in coordinator.models["policy"]])
-        streamed, upstream, metrics = experiences_both_ways(pipeline, samples)
-        assert_same_experiences(streamed, upstream)
-        assert metrics["oppo/fallback_micro_batches"] == 0
-        after = scorer_stats(pipeline)
-        assert (after["policy"].final_tokens, after["policy"].waiting) == (2 * tokens, 0)
-    finally:
-        ray.get(
-            [actor.set_temperature.remote(pipeline.args.rollout.temperature) for actor in coordinator.models["policy"]]
-        )
-        ray.get(engine.oppo_resume.remote(weight_version=0, resume=False))
-        coordinator.release()
-        pipeline.disconnect()
+def test_policy_logprobs_from_the_engine(pipeline, workload, engine_scores_the_policy):
+    """The engine scores the policy's log-probs of its finished samples itself, with vLLM's prompt log-probs,
+    and the policy's ranks get no chunk. Held through training it scores nothing; released, it scores them; a
+    new weight version makes it score them again before it answers. The experiences are upstream's (float32
+    here; in bf16 vLLM's kernels differ from the training forward)."""
+    coordinator, engine = engine_scores_the_policy, pipeline.engines[0]
+    coordinator.hold()
+    samples = generate(pipeline, workload([9, 30, 12, 17], seed=43))
+    assert all(s.stream.ranks["policy"] == 0 for s in samples)
+    flush_all(engine)
+    held = scorer_stats(pipeline)
+    assert (held["policy"].final_tokens, held["policy"].waiting) == (0, len(samples))
+    tokens = sum(s.stream.length for s in samples)
+
+    coordinator.release()
+    deadline = time.time() + 120
+    while scorer_stats(pipeline)["policy"].final_tokens < tokens and time.time() < deadline:
+        time.sleep(0.2)
+    assert scorer_stats(pipeline)["policy"].final_tokens == tokens
+    ray.get(engine.oppo_resume.remote(weight_version=1, resume=False))  # a weight sync landed
+
+    streamed, upstream, metrics = experiences_both_ways(pipeline, samples)
+    assert_same_experiences(streamed, upstream)
+    assert metrics["oppo/fallback_micro_batches"] == 0
+    after = scorer_stats(pipeline)
+    assert (after["policy"].final_tokens, after["policy"].waiting) == (2 * tokens, 0)
+
+
+def test_a_sequence_at_the_length_limit_is_scored_by_the_policys_forward(pipeline, workload, engine_scores_the_policy):
+    """vLLM refuses a prompt that fills its max_model_len (no room for the token a request decodes). A response
+    cut at the length limit makes such a sequence: the policy's forward scores its micro-batch instead."""
+    limit = pipeline.args.data.max_len  # the engine's max_model_len
+    # Upstream's executor cuts the prompt to leave the response its max_tokens: 2 tokens of prompt here.
+    samples = generate(pipeline, workload([6, limit - 2], seed=47))
+    assert sorted(s.stream.length for s in samples)[-1] == limit
+    streamed, upstream, metrics = experiences_both_ways(pipeline, samples)
+    assert_same_experiences(streamed, upstream)
+    assert metrics["oppo/fallback_micro_batches"] >= 1

@@ -13,7 +13,9 @@ come from the raw logits: the sampling temperature must be 1 (``config.validate`
 
 A sequence is scored with the engine's weight version when it is scored; one collected under a newer version
 is scored again, as the scoring actors do (``StreamingScorerMixin.oppo_collect``). While the policy's chunks
-are held (training: the weights are about to change) nothing is scored.
+are held (training: the weights are about to change) nothing is scored. vLLM refuses a prompt that fills its
+``max_model_len`` (no room for the token a request decodes): such a sequence, a response cut at the length
+limit, gets no score here, and the experience maker scores it with the policy's forward.
 """
 
 import asyncio
@@ -56,6 +58,9 @@ class EngineLogprobs:
     _running: int = 0
     _running_since: float = 0.0
     _running_tokens: int = 0
+
+    def __post_init__(self):
+        self.max_model_len = self.llm.model_config.max_model_len
 
     def add(self, uid: str, tokens: List[int], prompt_len: int) -> None:
         """A sample finished: score ``tokens`` (what training sees) now, unless held."""
@@ -131,6 +136,10 @@ class EngineLogprobs:
         entry.task = asyncio.get_running_loop().create_task(self._score(uid, entry, version))
 
     async def _score(self, uid: str, entry: _Finished, version: int) -> ScoredSequence:
+        if len(entry.tokens) >= self.max_model_len:
+            return ScoredSequence(
+                uid=uid, output=None, length=len(entry.tokens), prompt_len=entry.prompt_len, version=version
+            )
         prompt = TokensPrompt(prompt_token_ids=entry.tokens)
         if self.salt_prompts:
             prompt["cache_salt"] = f"oppo-w{version}"
