@@ -25,8 +25,8 @@ pytestmark = pytest.mark.engine
 # phase: (the OPPOTrainer method that begins it, the role whose actor dies there, what the line names: a regex)
 PHASES = {
     "make_experience": ("train_step", "reward", r"(CPURewardModelActor|reward rank 0)\b.* died while"),
-    "training": ("ppo_train", "critic", "CPUCriticModelActor died while training"),
-    # Ray kills asynchronously: the sync or, if the actor is still up then, the next call names it
+    # Ray kills asynchronously: the phase or, if the actor is still up then, the next call names it
+    "training": ("ppo_train", "critic", r"(CPUCriticModelActor died while training|critic rank 0 died while)"),
     "weight_sync": ("broadcast_to_vllm", "policy", r"(CPUPolicyModelActor|policy rank 0) died while"),
     "checkpoint": ("save_logs_and_checkpoints", "policy", "CPUPolicyModelActor died while saving the logs"),
 }
