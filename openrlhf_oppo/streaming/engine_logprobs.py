@@ -58,6 +58,7 @@ class EngineLogprobs:
     _running: int = 0
     _running_since: float = 0.0
     _running_tokens: int = 0
+    max_model_len: int = field(init=False)  # the engine's: a longer prompt leaves no room for a decoded token
 
     def __post_init__(self):
         self.max_model_len = self.llm.model_config.max_model_len
