@@ -165,16 +165,18 @@ OPTIONS = {
     ),
     "critic_catch_up": (
         dict(
-            choices=["next_step", "after_fit"],
+            choices=["auto", "next_step", "after_fit"],
             help="When the critic scores the chunks held through training (inter-step overlap with the critic "
             "streaming). 'next_step': when the next step starts, after the weight sync, as the policy does. "
             "'after_fit': as soon as the critic's own training ends, while the policy may still train (its weights "
             "are final by then); the critic's catch-up then overlaps the policy's training and the weight sync. "
             "Needs vLLM apart from the models (not --train.colocate_all or --ds.enable_sleep). Compare "
-            "oppo/critic_fit_s with oppo/policy_fit_s for the time it can gain; where the critic shares its GPUs "
-            "with the policy, its catch-up slows the policy's training by about as much as it saves.",
+            "oppo/critic_fit_s with oppo/policy_fit_s for the time it can gain. 'auto': after_fit where the policy's "
+            "log-probs come from vLLM (--oppo.policy_logprobs vllm), which leaves the critic's catch-up the only "
+            "prefill after the sync; next_step otherwise, where the policy's catch-up follows the sync anyway and "
+            "the critic's early start slows the policy's training by about as much as it saves.",
         ),
-        "next_step",
+        "auto",
     ),
     "carry_kv": (
         dict(
@@ -481,6 +483,20 @@ def _resolve_plan(args) -> None:
         min(oppo.overcommit_max, max(oppo.overcommit_min, math.ceil(batch / 8)))
         if oppo.overcommit == "auto"
         else oppo.overcommit
+    )
+    if oppo.critic_catch_up == "auto":
+        oppo.critic_catch_up = "after_fit" if _critic_catches_up_alone(args) else "next_step"
+
+
+def _critic_catches_up_alone(args) -> bool:
+    """'auto': the critic's catch-up starts after its fit where it is the only prefill left after the sync (the
+    engines score the policy's log-probs) and the models stay awake apart from vLLM through training."""
+    oppo = args.oppo
+    return (
+        oppo.inter_step
+        and oppo.policy_logprobs == "vllm"
+        and {"policy", "critic"} <= set(oppo.streamed_roles)
+        and not (args.train.colocate_all or args.ds.enable_sleep)
     )
 
 

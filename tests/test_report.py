@@ -68,11 +68,37 @@ def test_summary_ratios_and_failures(tmp_path):
     (folder / "results.json").write_text(json.dumps(run))
     (folder / "commit.txt").write_text("abc1234\n")
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in report.summary([str(folder)]).splitlines()[2:]]
-    rows = {row[7]: row[8:11] for row in cells}
-    assert rows["upstream-sync"] == ["16.99", "1.00x", "0.59x"]
-    assert rows["oppo-both"] == ["7.32", "2.32x", "1.38x"]
-    assert rows["oppo-intra"] == ["failed (exit 1)", "-", "-"]
+    rows = {row[7]: row[8:13] for row in cells}
+    assert rows["upstream-sync"] == ["16.99", "1.00x", "0.59x", "1.00x", "0.59x"]
+    assert rows["oppo-both"] == ["7.32", "2.32x", "1.38x", "2.28x", "1.35x"]
+    assert rows["oppo-intra"] == ["failed (exit 1)", "-", "-", "-", "-"]
     assert "abc1234" in report.summary([str(folder)])
+
+
+def test_tokens_trained_are_the_responses_of_the_measured_steps():
+    """With Delta equal to the batch, OPPO's warm-up step trains the shortest responses and its measured steps
+    more tokens than the baselines': the tokens/s ratios compare the systems at equal work."""
+    run = report.run_results(str(RESULTS / "split-4gpu-3b-lognormal-patched-policy-logprobs-vllm"))
+    warmup, count = run["settings"]["warmup"], run["settings"]["steps"]
+    trained = {}
+    for name, result in run["systems"].items():
+        steps = result["steps"][warmup : warmup + count]
+        responses = sum(s["rollout/num_samples"] * s["rollout/response_length_mean"] for s in steps)
+        trained[name] = report.trained_tokens(result["summary"])
+        assert trained[name] == pytest.approx(responses)
+    assert trained["oppo-both-delta64-policy-logprobs-vllm"] > 1.1 * trained["upstream-async"]
+    assert trained["upstream-sync"] == pytest.approx(trained["upstream-async"])
+    row = next(
+        line
+        for line in report.table(run).splitlines()
+        if line.startswith("| oppo-both-delta64-policy-logprobs-vllm |")
+    )
+    oppo, asynchronous = (
+        run["systems"][n]["summary"] for n in ("oppo-both-delta64-policy-logprobs-vllm", "upstream-async")
+    )
+    by_step = asynchronous["step_mean_s"] / oppo["step_mean_s"]
+    by_token = oppo["tokens_per_s"] / asynchronous["tokens_per_s"]
+    assert f"| {by_step:.2f}x / {by_token:.2f}x |" in row and by_token > by_step
 
 
 def test_table_names_the_micro_batches_where_the_run_recorded_them():

@@ -88,6 +88,21 @@ def summarize(steps: list) -> dict:
     return summary
 
 
+def trained_tokens(summary: dict) -> float:
+    """Response tokens trained in the measured steps. OPPO's inter-step overlap trains each step's first B
+    groups to finish, so its first steps hold the short responses and later ones the long: over a few steps,
+    two systems' windows can hold different work. Their tokens/s compares them at equal work."""
+    return summary["tokens_per_s"] * summary["step_mean_s"] * summary["steps"]
+
+
+def _speedups(base, summary: dict) -> str:
+    """``base``'s step time over ``summary``'s, then ``summary``'s tokens/s over ``base``'s."""
+    if not base:
+        return "-"
+    by_step = _ratio_x(base["step_mean_s"], summary["step_mean_s"])
+    return f"{by_step} / {_ratio_x(summary['tokens_per_s'], base['tokens_per_s'])}"
+
+
 def _micro_batches(settings: dict) -> str:
     """Runs made before the micro-batch options existed used the benchmark's 8 (rollout) and 2 (training)."""
     if "train_micro_batch" not in settings:
@@ -99,7 +114,7 @@ def table(results: dict) -> str:
     if "task" in results:  # the learning benchmark
         return learning_report.table(results)
     systems = results["systems"]
-    base = systems.get("upstream-sync", {}).get("summary", {})
+    baselines = {kind: systems.get(f"upstream-{kind}", {}).get("summary") for kind in ("sync", "async")}
     base_util = _mean(systems.get("upstream-sync", {}).get("gpu_utilization", []))
     lines = [
         f"GPUs: {', '.join(results['machine']['gpus']) or 'none'} · placement: {results['settings']['placement']}"
@@ -110,25 +125,25 @@ def table(results: dict) -> str:
         f" mean {results['workload']['mean_length']:.0f}, max {results['workload']['max_length']} tokens"
         + (" · OpenRLHF with patches/openrlhf applied" if results.get("upstream_patches") else ""),
         "",
-        "| system | step mean (s) | p50 | p90 | generation | make_exp | train | weight sync | other | tokens/s"
-        " | GPU util % | busiest GPU busy (s) | step / bound | speed-up vs sync | util vs sync |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| system | step mean (s) | p50 | p90 | generation | make_exp | train | weight sync | other | tokens trained"
+        " | tokens/s | GPU util % | busiest GPU busy (s) | step / bound | vs sync (step / tokens/s)"
+        " | vs async (step / tokens/s) | util vs sync |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, result in systems.items():
         s = result.get("summary") or {}
         if not s:
-            lines.append(f"| {name} | failed (rc {result.get('returncode')}) |" + " |" * 13)
+            lines.append(f"| {name} | failed (rc {result.get('returncode')}) |" + " |" * 15)
             continue
         util = result.get("gpu_utilization", [])
-        speedup = f"{base['step_mean_s'] / s['step_mean_s']:.2f}x" if base else "-"
         util_ratio = f"{_mean(util) / base_util:.2f}x" if base_util and util else "-"
         bound = busiest_gpu_s(s, util)
         lines.append(
             f"| {name} | {s['step_mean_s']:.2f} | {s['step_p50_s']:.2f} | {s['step_p90_s']:.2f}"
             f" | {s['generation_s']:.2f} | {s['make_experience_s']:.2f} | {s['ppo_train_s']:.2f}"
-            f" | {s['broadcast_s']:.2f} | {s['other_s']:.2f} | {s['tokens_per_s']:.0f}"
+            f" | {s['broadcast_s']:.2f} | {s['other_s']:.2f} | {trained_tokens(s):.0f} | {s['tokens_per_s']:.0f}"
             f" | {' / '.join(f'{u:.0f}' for u in util) or '-'} | {_fmt(bound)} | {_ratio(s['step_mean_s'], bound)}"
-            f" | {speedup} | {util_ratio} |"
+            f" | {_speedups(baselines.get('sync'), s)} | {_speedups(baselines.get('async'), s)} | {util_ratio} |"
         )
     oppo = [(n, r["summary"]) for n, r in systems.items() if r.get("summary") and n.startswith("oppo")]
     if oppo:
@@ -458,15 +473,12 @@ def summary(folders: list) -> str:
     runs.sort(key=lambda run: (not any(r.get("summary") for r in run[1]["systems"].values()), not _patched(run[1])))
     lines = [
         "| run | placement | shape | workload | OpenRLHF | card | commit | system | step (s) | vs sync | vs async"
-        " | measured steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | tokens/s vs sync | tokens/s vs async | measured steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, results in runs:
         settings, workload, systems = results["settings"], results["workload"], results["systems"]
-        base = {
-            kind: (systems.get(f"upstream-{kind}", {}).get("summary") or {}).get("step_mean_s")
-            for kind in ("sync", "async")
-        }
+        base = {kind: systems.get(f"upstream-{kind}", {}).get("summary") or {} for kind in ("sync", "async")}
         gpus = results["machine"]["gpus"]
         run = (
             f"| [{name}](results/{name}/) | {settings['placement']}, {settings['gpus']} GPU"
@@ -478,15 +490,20 @@ def summary(folders: list) -> str:
         # Upstream's systems first: the baselines the ratios are taken against.
         for system in sorted(systems, key=lambda s: not s.startswith("upstream-")):
             result = systems[system]
-            step = (result.get("summary") or {}).get("step_mean_s")
-            if step is None:
-                cells = f"failed (exit {result.get('returncode')}) | - | -"
+            s = result.get("summary") or {}
+            if not s:
+                cells = f"failed (exit {result.get('returncode')}) | - | - | - | -"
             else:
-                ratios = [f"{base[kind] / step:.2f}x" if base[kind] else "-" for kind in ("sync", "async")]
-                cells = f"{step:.2f} | {ratios[0]} | {ratios[1]}"
+                by_step = [_ratio_x(base[kind].get("step_mean_s"), s["step_mean_s"]) for kind in ("sync", "async")]
+                by_token = [_ratio_x(s["tokens_per_s"], base[kind].get("tokens_per_s")) for kind in ("sync", "async")]
+                cells = f"{s['step_mean_s']:.2f} | {' | '.join(by_step)} | {' | '.join(by_token)}"
             lines.append(f"{run} {system} | {cells} | {settings['steps']} |")
             run = "|" + " |" * 7
     return "\n".join(lines) + "\n"
+
+
+def _ratio_x(numerator, denominator) -> str:
+    return f"{numerator / denominator:.2f}x" if numerator and denominator else "-"
 
 
 def _patched(results: dict) -> bool:
