@@ -50,8 +50,7 @@ def configure(args) -> None:
         return
     from openrlhf_oppo.streaming.rollout import OPPORolloutRayActor, RolloutConfig
 
-    trace = args.oppo.enable and args.oppo.trace_dir is not None
-    rollout = RolloutConfig(lengths_from_label=args.bench.lengths_from_label, trace=trace)
+    rollout = RolloutConfig(lengths_from_label=args.bench.lengths_from_label)
     components.update(rollout=OPPORolloutRayActor, rollout_kwargs=dict(oppo_config=vars(rollout)))
     if args.oppo.enable:
         from openrlhf_oppo.streaming import actors
@@ -66,14 +65,14 @@ def configure(args) -> None:
         )
 
 
-def install(enable: bool, lengths_from_label: bool = False, trace: bool = False) -> None:
+def install(enable: bool, lengths_from_label: bool = False) -> None:
     from openrlhf.trainer import ppo_trainer
     from openrlhf.trainer.ray import launcher, ppo_actor, ppo_critic, vllm_engine
 
     from openrlhf_oppo.streaming.rollout import OPPORolloutRayActor, RolloutConfig, with_config
 
     if enable or lengths_from_label:
-        config = RolloutConfig(lengths_from_label=lengths_from_label, trace=trace)
+        config = RolloutConfig(lengths_from_label=lengths_from_label)
         vllm_engine.RolloutRayActor = with_config(OPPORolloutRayActor, config)
     if not enable:
         return

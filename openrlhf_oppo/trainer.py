@@ -135,6 +135,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                 salt_prompts=oppo.inter_step,
                 calls_in_flight=oppo.prefill_calls_in_flight,
                 flush_interval_s=oppo.flush_interval_ms / 1000,
+                trace=self.tracer.enabled,
             ),
             affinity=self._frozen_affinity(),
         )
@@ -253,6 +254,11 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                 clear_cache=oppo.carry_kv == "recompute",
                 weight_version=self.policy_version,
             )
+        # The engines hold the new weights now: the policy's log-probs they score need not wait for the next
+        # step's start, which comes after this step's metrics, and those can wait on the critic's catch-up.
+        held_by_engines = [role for role in self.coordinator.scored_by_engines if role in self.coordinator.held]
+        if held_by_engines:
+            self.coordinator.release(held_by_engines)
 
     # -- checkpoints ------------------------------------------------------------------------------------
 

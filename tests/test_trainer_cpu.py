@@ -125,6 +125,14 @@ def test_the_engine_scores_the_policys_logprobs(checkpoints, engine, tmp_path):
     events = [event for trace in traces for event in json.load(open(trace))["traceEvents"]]
     prefills = {event["tid"] for event in events if event["name"] == "prefill"}
     assert "critic" in prefills and "policy" not in prefills
+    # The engine scores what finished during training as soon as it holds the new weights, not from the next
+    # step's start.
+    trainer = sorted((e for e in events if e["tid"] == "trainer"), key=lambda e: e["ts"])
+    syncs = [e["ts"] + e["dur"] for e in trainer if e["name"] == "weight_sync"]
+    generations = [e["ts"] for e in trainer if e["name"] == "generation"]
+    gaps = [(end, min(t for t in generations if t > end)) for end in syncs if any(t > end for t in generations)]
+    scoring = [e["ts"] for e in events if e["name"] == "policy_logprobs"]
+    assert any(start <= t <= next_step for start, next_step in gaps for t in scoring)
 
 
 def test_checkpoint_keeps_carried_prompts_and_resume_trains_them_first(checkpoints, engine, tmp_path):

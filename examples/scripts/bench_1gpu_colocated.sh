@@ -4,6 +4,7 @@
 # (Upstream async needs GPUs of its own for vLLM, so it is not in this placement.)
 # PATCHED=1 runs every system on OpenRLHF with patches/openrlhf applied (as bench_2gpu_split.sh).
 # TIMEOUT (s, default 600) a system: the first start on a machine compiles vLLM's kernels, which takes minutes.
+# Further arguments go to the benchmark, e.g. an OPPO variant: --tag=-name --oppo_extra=--oppo.FLAG --oppo_extra=VALUE
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -11,4 +12,4 @@ python3 -m openrlhf_oppo.bench --gpus 1 --placement colocated --shape qwen2.5-1.
   --systems "${SYSTEMS:-upstream-sync,oppo-intra,oppo-inter,oppo-both}" \
   --batch 32 --steps "${STEPS:-3}" --warmup 1 --overcommit "${DELTA:-16}" \
   --lengths lognormal --mean 500 --sigma 1.0 --high 4096 \
-  --timeout "${TIMEOUT:-600}" ${PATCHED:+--upstream_patches} --workdir "${WORKDIR:-/tmp/oppo-wl-1gpu}" --scratch "${SCRATCH:-/tmp/oppo-1gpu}" --out "${OUT_DIR:-runs/1gpu}"
+  --timeout "${TIMEOUT:-600}" ${PATCHED:+--upstream_patches} --workdir "${WORKDIR:-/tmp/oppo-wl-1gpu}" --scratch "${SCRATCH:-/tmp/oppo-1gpu}" --out "${OUT_DIR:-runs/1gpu}" "$@"

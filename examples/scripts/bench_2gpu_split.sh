@@ -7,6 +7,7 @@
 # About 2.5 minutes a system once vLLM's kernels are compiled (the first start on a machine takes longer).
 # Systems run one after the other; to run them in parts, pass SYSTEMS and OUT_DIR and merge the parts with
 #   python -m openrlhf_oppo.bench.report runs/2gpu-a/results.json runs/2gpu-b/results.json --out runs/2gpu
+# Further arguments go to the benchmark, e.g. an OPPO variant: --tag=-name --oppo_extra=--oppo.FLAG --oppo_extra=VALUE
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -14,4 +15,4 @@ python3 -m openrlhf_oppo.bench --gpus 2 --placement split --shape qwen2.5-1.5b \
   --systems "${SYSTEMS:-upstream-sync,oppo-both,upstream-async,oppo-both-early,oppo-intra,oppo-inter}" \
   --batch 32 --steps "${STEPS:-3}" --warmup 1 --overcommit "${DELTA:-16}" \
   --lengths lognormal --mean 500 --sigma 1.0 --high 4096 \
-  --timeout "${TIMEOUT:-600}" ${PATCHED:+--upstream_patches} --workdir "${WORKDIR:-/tmp/oppo-wl}" --scratch "${SCRATCH:-/tmp/oppo-2gpu}" --out "${OUT_DIR:-runs/2gpu}"
+  --timeout "${TIMEOUT:-600}" ${PATCHED:+--upstream_patches} --workdir "${WORKDIR:-/tmp/oppo-wl}" --scratch "${SCRATCH:-/tmp/oppo-2gpu}" --out "${OUT_DIR:-runs/2gpu}" "$@"

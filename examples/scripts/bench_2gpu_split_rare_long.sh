@@ -5,6 +5,7 @@
 # groups are done and carries the long ones. Upstream sync, upstream async with partial rollout and OPPO
 # with both halves, every system on OpenRLHF with patches/openrlhf applied. The models' GPU needs more than
 # 80 GB. LONG sets the long responses' length (the limit too).
+# Further arguments go to the benchmark, e.g. an OPPO variant: --tag=-name --oppo_extra=--oppo.FLAG --oppo_extra=VALUE
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -13,4 +14,4 @@ python3 -m openrlhf_oppo.bench --gpus 2 --placement split --shape qwen2.5-1.5b \
   --batch 32 --steps "${STEPS:-5}" --warmup 1 --overcommit "${DELTA:-16}" \
   --lengths bimodal --short 256 --long "${LONG:-6144}" --long_fraction 0.05 --high "${LONG:-6144}" \
   --timeout "${TIMEOUT:-600}" --upstream_patches --workdir "${WORKDIR:-/tmp/oppo-wl-rare-long}" \
-  --scratch "${SCRATCH:-/tmp/oppo-2gpu-rare-long}" --out "${OUT_DIR:-runs/2gpu-rare-long}"
+  --scratch "${SCRATCH:-/tmp/oppo-2gpu-rare-long}" --out "${OUT_DIR:-runs/2gpu-rare-long}" "$@"

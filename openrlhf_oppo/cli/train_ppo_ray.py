@@ -29,7 +29,6 @@ def _read_ahead(argv):
     """The few flags that decide the class swaps, which must happen before upstream imports them."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--oppo.enable", dest="enable", action="store_true")
-    parser.add_argument("--oppo.trace_dir", dest="trace_dir", default=None)
     parser.add_argument("--bench.lengths_from_label", dest="lengths_from_label", action="store_true")
     known, _ = parser.parse_known_args(argv)
     return known
@@ -89,7 +88,7 @@ def main() -> None:
     except compat.UnsupportedVersion as error:
         sys.exit(f"openrlhf-oppo: {error}")
     ahead = _read_ahead(sys.argv[1:])
-    extension.install(ahead.enable, ahead.lengths_from_label, trace=ahead.trace_dir is not None)
+    extension.install(ahead.enable, ahead.lengths_from_label)
     with _upstream_hooks():
         try:
             runpy.run_module(UPSTREAM, run_name="__main__", alter_sys=True)

@@ -13,7 +13,8 @@ come from the raw logits: the sampling temperature must be 1 (``config.validate`
 
 A sequence is scored with the engine's weight version when it is scored; one collected under a newer version
 is scored again, as the scoring actors do (``StreamingScorerMixin.oppo_collect``). While the policy's chunks
-are held (training: the weights are about to change) nothing is scored. vLLM refuses a prompt that fills its
+are held (training: the weights are about to change) nothing is scored; the trainer releases the engines as
+soon as the weight sync ends (``OPPOTrainer.broadcast_to_vllm``). vLLM refuses a prompt that fills its
 ``max_model_len`` (no room for the token a request decodes): such a sequence, a response cut at the length
 limit, gets no score here, and the experience maker scores it with the policy's forward.
 """

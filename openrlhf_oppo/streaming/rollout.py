@@ -42,7 +42,6 @@ class RolloutConfig:
     """What the rollout actor needs to know when it is built (the rest arrives with ``oppo_connect``)."""
 
     lengths_from_label: bool = False  # --bench.lengths_from_label
-    trace: bool = False
 
 
 class ChunkOutbox:
@@ -230,7 +229,7 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         await super().__init__(*args, **kwargs)
         end_children_with_this_process()  # the engine core, should this actor die without a shutdown
         self.oppo_config = RolloutConfig(**(oppo_config or {}))
-        self.tracer = Tracer(enabled=self.oppo_config.trace, process="rollout")
+        self.tracer = Tracer(enabled=False, process="rollout")  # on with oppo_connect(trace=True)
         self.chunk_size = 64
         self.weight_version = 0
         self.outbox: Optional[ChunkOutbox] = None
@@ -254,11 +253,14 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         flush_interval_s: float,
         engine_index: int = 0,
         score_policy: bool = False,
+        trace: bool = False,
     ) -> None:
         """Stream to ``scorers`` (role -> actor handle per rank) from now on; ``pinned``: role -> the rank
         that scores every sequence of this engine. ``salt_prompts``: requests outlive weight updates.
-        ``score_policy``: this engine, ``engine_index`` among them, scores the policy's log-probs itself."""
+        ``score_policy``: this engine, ``engine_index`` among them, scores the policy's log-probs itself.
+        ``trace``: record spans for ``oppo_drain_trace`` (``--oppo.trace_dir``)."""
         await self.oppo_disconnect()
+        self.tracer.enabled = trace
         if scorers:
             self.outbox = ChunkOutbox(scorers, pinned, calls_in_flight, flush_interval_s)
         self.chunk_size = chunk_size
