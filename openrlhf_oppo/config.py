@@ -490,13 +490,14 @@ def _resolve_plan(args) -> None:
 
 def _critic_catches_up_alone(args) -> bool:
     """'auto': the critic's catch-up starts after its fit where it is the only prefill left after the sync (the
-    engines score the policy's log-probs) and the models stay awake apart from vLLM through training."""
+    engines score the policy's log-probs) and the models stay awake through training, as after_fit needs (the
+    policy streams only apart from vLLM, not under --train.colocate_all)."""
     oppo = args.oppo
     return (
         oppo.inter_step
         and oppo.policy_logprobs == "vllm"
         and {"policy", "critic"} <= set(oppo.streamed_roles)
-        and not (args.train.colocate_all or args.ds.enable_sleep)
+        and not args.ds.enable_sleep
     )
 
 

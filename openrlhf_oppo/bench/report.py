@@ -95,12 +95,21 @@ def trained_tokens(summary: dict) -> float:
     return summary["tokens_per_s"] * summary["step_mean_s"] * summary["steps"]
 
 
-def _speedups(base, summary: dict) -> str:
-    """``base``'s step time over ``summary``'s, then ``summary``'s tokens/s over ``base``'s."""
-    if not base:
-        return "-"
-    by_step = _ratio_x(base["step_mean_s"], summary["step_mean_s"])
-    return f"{by_step} / {_ratio_x(summary['tokens_per_s'], base['tokens_per_s'])}"
+def _speedup_cell(base: dict, summary: dict) -> str:
+    return " / ".join(_speedups(base, summary)) if base else "-"
+
+
+def _baselines(systems: dict) -> dict:
+    """Upstream sync's and async's summaries (empty where the run has none), the ratios' denominators."""
+    return {kind: systems.get(f"upstream-{kind}", {}).get("summary") or {} for kind in ("sync", "async")}
+
+
+def _speedups(base: dict, summary: dict) -> tuple:
+    """Against ``base``: its step time over ``summary``'s, and ``summary``'s tokens/s over its."""
+    return (
+        _ratio_x(base.get("step_mean_s"), summary["step_mean_s"]),
+        _ratio_x(summary["tokens_per_s"], base.get("tokens_per_s")),
+    )
 
 
 def _micro_batches(settings: dict) -> str:
@@ -114,7 +123,7 @@ def table(results: dict) -> str:
     if "task" in results:  # the learning benchmark
         return learning_report.table(results)
     systems = results["systems"]
-    baselines = {kind: systems.get(f"upstream-{kind}", {}).get("summary") for kind in ("sync", "async")}
+    baselines = _baselines(systems)
     base_util = _mean(systems.get("upstream-sync", {}).get("gpu_utilization", []))
     lines = [
         f"GPUs: {', '.join(results['machine']['gpus']) or 'none'} · placement: {results['settings']['placement']}"
@@ -143,7 +152,7 @@ def table(results: dict) -> str:
             f" | {s['generation_s']:.2f} | {s['make_experience_s']:.2f} | {s['ppo_train_s']:.2f}"
             f" | {s['broadcast_s']:.2f} | {s['other_s']:.2f} | {trained_tokens(s):.0f} | {s['tokens_per_s']:.0f}"
             f" | {' / '.join(f'{u:.0f}' for u in util) or '-'} | {_fmt(bound)} | {_ratio(s['step_mean_s'], bound)}"
-            f" | {_speedups(baselines.get('sync'), s)} | {_speedups(baselines.get('async'), s)} | {util_ratio} |"
+            f" | {_speedup_cell(baselines['sync'], s)} | {_speedup_cell(baselines['async'], s)} | {util_ratio} |"
         )
     oppo = [(n, r["summary"]) for n, r in systems.items() if r.get("summary") and n.startswith("oppo")]
     if oppo:
@@ -478,7 +487,7 @@ def summary(folders: list) -> str:
     ]
     for name, results in runs:
         settings, workload, systems = results["settings"], results["workload"], results["systems"]
-        base = {kind: systems.get(f"upstream-{kind}", {}).get("summary") or {} for kind in ("sync", "async")}
+        base = _baselines(systems)
         gpus = results["machine"]["gpus"]
         run = (
             f"| [{name}](results/{name}/) | {settings['placement']}, {settings['gpus']} GPU"
@@ -494,9 +503,8 @@ def summary(folders: list) -> str:
             if not s:
                 cells = f"failed (exit {result.get('returncode')}) | - | - | - | -"
             else:
-                by_step = [_ratio_x(base[kind].get("step_mean_s"), s["step_mean_s"]) for kind in ("sync", "async")]
-                by_token = [_ratio_x(s["tokens_per_s"], base[kind].get("tokens_per_s")) for kind in ("sync", "async")]
-                cells = f"{s['step_mean_s']:.2f} | {' | '.join(by_step)} | {' | '.join(by_token)}"
+                (sync_step, sync_token), (async_step, async_token) = (_speedups(base[k], s) for k in ("sync", "async"))
+                cells = f"{s['step_mean_s']:.2f} | {sync_step} | {async_step} | {sync_token} | {async_token}"
             lines.append(f"{run} {system} | {cells} | {settings['steps']} |")
             run = "|" + " |" * 7
     return "\n".join(lines) + "\n"
