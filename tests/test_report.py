@@ -101,6 +101,20 @@ def test_tokens_trained_are_the_responses_of_the_measured_steps():
     assert f"| {by_step:.2f}x / {by_token:.2f}x |" in row and by_token > by_step
 
 
+def test_a_long_speed_run_gets_no_convergence_table():
+    """Ten steps or more of the speed benchmark's random reward model say nothing about learning: the speed
+    summary keeps the run, and only a rule reward (or the learning benchmark) makes it a convergence run."""
+    folder = RESULTS / "split-2gpu-1.5b-lognormal-patched-policy-logprobs-vllm-delta32"
+    run = report.run_results(str(folder))
+    assert max(len(r["steps"]) for r in run["systems"].values()) >= 10
+    assert not report.is_convergence(run)
+    assert "Convergence" not in report.table(run)
+    assert f"[{folder.name}](results/{folder.name}/)" in report.summary([str(folder)])
+    run["settings"]["extra"] = ["--reward.remote_url=examples/reward/parity_reward.py"]
+    assert report.is_convergence(run)
+    assert "Convergence: target reward" in report.table(run)
+
+
 def test_table_names_the_micro_batches_where_the_run_recorded_them():
     run = report.run_results(str(RESULTS / "split-4gpu-3b-lognormal-patched"))
     assert "micro-batches" not in report.table(run)  # made before the options: 8 and 2

@@ -38,7 +38,6 @@ OPPO_KEYS = (
     "policy_lag_mean",
     "fallback_micro_batches",
 )
-CONVERGENCE_MIN_STEPS = 10  # runs this long get the convergence table and plot
 SUMMARY_START = (
     "<!-- summary: python -m openrlhf_oppo.bench.report --summary docs/results/*/ --into docs/RESULTS.md -->"
 )
@@ -159,7 +158,7 @@ def table(results: dict) -> str:
         lines += ["", "| OPPO system | " + " | ".join(OPPO_KEYS) + " |", "|---|" + "---|" * len(OPPO_KEYS)]
         for name, s in oppo:
             lines.append(f"| {name} | " + " | ".join(_fmt(s.get(k)) for k in OPPO_KEYS) + " |")
-    if max(len(r.get("steps") or []) for r in systems.values()) >= CONVERGENCE_MIN_STEPS:
+    if is_convergence(results):
         lines += ["", *convergence_table(results)]
     if any(memory_keys(r) for r in systems.values()):
         lines += ["", *memory_table(results)]
@@ -421,7 +420,7 @@ def write(results: dict, out: str) -> None:
             learning_report.plot(
                 results, os.path.join(out, "accuracy-by-step.png"), os.path.join(out, "accuracy-by-time.png")
             )
-        elif max(len(r.get("steps") or []) for r in results["systems"].values()) >= CONVERGENCE_MIN_STEPS:
+        elif is_convergence(results):
             plot_convergence(results, os.path.join(out, "convergence.png"))
         if any(memory_keys(r) for r in results["systems"].values()):
             plot_memory(results, os.path.join(out, "memory.png"))
@@ -460,9 +459,10 @@ def run_results(folder: str) -> dict:
 
 
 def is_convergence(results: dict) -> bool:
-    """A run about learning (the learning benchmark, or a speed run of 10 steps or more), not speed alone."""
-    longest = max(len(r.get("steps") or []) for r in results["systems"].values())
-    return "task" in results or longest >= CONVERGENCE_MIN_STEPS
+    """A run about learning: the learning benchmark, or a run scored by a rule (``--reward.remote_url``) rather
+    than the speed benchmark's random reward model, whose reward says nothing however many steps it ran."""
+    extra = results.get("settings", {}).get("extra") or []
+    return "task" in results or any(flag.startswith("--reward.remote_url") for flag in extra)
 
 
 def summary(folders: list) -> str:
