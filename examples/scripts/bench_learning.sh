@@ -1,5 +1,5 @@
 #!/bin/bash
-# The learning benchmark (docs/benchmark.md): the small model (about 30M parameters) learns multi-digit addition
+# The learning benchmark (docs/benchmark.md): the small model (about 22M parameters) learns multi-digit addition
 # with a chain of carries, first supervised until 30% of held-out sums come out right, then with PPO and the
 # task's rule reward, for upstream sync, upstream async + partial rollout, and OPPO with both halves (carried
 # KV recomputed, and kept), 3 seeds each, every system on OpenRLHF with patches/openrlhf applied. 2 GPUs, split
@@ -12,5 +12,5 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -m openrlhf_oppo.bench --task addition --gpus 2 --placement split --upstream_patches \
   --systems "${SYSTEMS:-upstream-sync,upstream-async,oppo-both,oppo-both-keep}" --seeds "${SEEDS:-0,1,2}" \
-  --steps "${STEPS:-60}" --lr "${LR:-5e-5}" --timeout "${TIMEOUT:-1200}" \
+  --steps "${STEPS:-80}" --lr "${LR:-3e-5}" --timeout "${TIMEOUT:-1200}" \
   --workdir "${WORKDIR:-/tmp/oppo-learning}" --scratch "${SCRATCH:-/tmp/oppo-learning-runs}" --out "${OUT_DIR:-runs/learning}"

@@ -11,7 +11,9 @@ Why this task:
   so the rollout's mean reward is the share of correct answers.
 * The response grows with the number of digits (9 tokens a digit with the byte-level benchmark tokenizer), and
   the digit counts are drawn from a lognormal: most sums are short, a few are long (mean about 6 digits and
-  60 tokens, up to 20 digits and 200 tokens). That long tail is what OPPO's overlap works on.
+  60 tokens, half of them 41 tokens or fewer, up to 40 digits and 400 tokens; the longest of a step's 32
+  prompts is about 290 tokens). That long tail is what OPPO's overlap works on: the longest response sets how
+  long a batch decodes, the mean how long it trains.
 * Every step of the chain is the same small computation on two digits of the prompt and a carry, so a model of
   a few million parameters learns it, and a partly trained one gets short sums right more often than long
   ones: accuracy has room to rise under PPO, and the error of one step spoils the answer.
@@ -28,7 +30,7 @@ from typing import List, Optional
 
 EOS = "<|endoftext|>"  # the benchmark tokenizer's end of text (``tiny.make_tokenizer``)
 # Digits of the longer number: lognormal with this mean and sigma (of the underlying normal), clipped.
-DIGITS = dict(mean=6.0, sigma=0.7, low=1, high=20)
+DIGITS = dict(mean=6.0, sigma=1.0, low=1, high=40)
 
 
 def digit_counts(count: int, seed: int, mean: float, sigma: float, low: int, high: int) -> List[int]:

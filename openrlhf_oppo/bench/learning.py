@@ -43,12 +43,12 @@ def parse(argv=None):
     parser.add_argument("--shape", default="small", choices=sorted(tiny.SHAPES), help="the model's shape")
     parser.add_argument("--batch", type=int, default=32, help="--rollout.batch_size (prompt groups per step)")
     parser.add_argument("--n_samples", type=int, default=8, help="samples per prompt (group_norm's group)")
-    parser.add_argument("--steps", type=int, default=60, help="PPO steps per run")
-    parser.add_argument("--overcommit", type=int, default=None, help="Delta for the OPPO systems (default B/4)")
-    parser.add_argument("--lr", type=float, default=5e-5, help="the policy's learning rate in PPO")
+    parser.add_argument("--steps", type=int, default=80, help="PPO steps per run")
+    parser.add_argument("--overcommit", type=int, default=None, help="Delta for the OPPO systems (default B)")
+    parser.add_argument("--lr", type=float, default=3e-5, help="the policy's learning rate in PPO")
     parser.add_argument("--target", type=float, default=0.8, help="the accuracy the convergence table times")
     parser.add_argument("--warmup_target", type=float, default=0.3, help="held-out greedy accuracy to stop at")
-    parser.add_argument("--warmup_max_steps", type=int, default=20000)
+    parser.add_argument("--warmup_max_steps", type=int, default=5000)
     parser.add_argument("--digits_mean", type=float, default=addition.DIGITS["mean"])
     parser.add_argument("--digits_high", type=int, default=addition.DIGITS["high"])
     parser.add_argument("--seed", type=int, default=0, help="the warm-up's and the prompts' seed")
@@ -63,7 +63,8 @@ def parse(argv=None):
     parser.add_argument("--scratch", default=None, help="logs, tensorboard, traces, checkpoints (default OUT)")
     args = parser.parse_args(argv)
     args.warmup = 0  # every PPO step counts (``run_system`` reads it)
-    args.overcommit = args.overcommit if args.overcommit is not None else max(1, args.batch // 4)
+    # Delta equal to the batch: the next step's groups decode while this one trains (the speed runs' setting).
+    args.overcommit = args.overcommit if args.overcommit is not None else args.batch
     return args
 
 

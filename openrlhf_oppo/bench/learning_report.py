@@ -148,7 +148,7 @@ def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
             else:
                 x = np.arange(1, min(len(c) for c in curves) + 1)
             low, mean, high = band(curves)
-            (line,) = ax.plot(x, mean, label=f"{system} ({len(curves)} seeds)")
+            (line,) = ax.plot(x, mean, label=f"{system} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
             ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.0%}")
         ax.set_xlabel("wall-clock minutes from the first step" if by_time else "PPO step")

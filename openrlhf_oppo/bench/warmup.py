@@ -31,8 +31,8 @@ def warm_up(
     digits: dict = None,
     batch: int = 256,
     lr: float = 5e-4,
-    max_steps: int = 20000,
-    eval_every: int = 100,
+    max_steps: int = 5000,
+    eval_every: int = 20,
     heldout: int = 256,
     dtype: str = "bfloat16",
 ) -> dict:
@@ -171,8 +171,10 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--max_steps", type=int, default=20000)
-    parser.add_argument("--eval_every", type=int, default=100)
+    parser.add_argument("--max_steps", type=int, default=5000)
+    parser.add_argument(
+        "--eval_every", type=int, default=20, help="steps between evaluations: how far past the target it may stop"
+    )
     args = parser.parse_args()
     summary = warm_up(
         args.out,
