@@ -87,6 +87,9 @@ def test_learning_benchmark_run_is_a_valid_command(system, monkeypatch):
     assert args.logger.wandb.run_name == f"{system}-seed1"
     assert args.rollout.max_new_tokens == 2 * (10 * options.digits_high + 2)  # twice the longest right response
     assert args.train.async_enable == (system == "upstream-async")
+    # Every system weighs samples by pi_train/pi_rollout (clipped), which needs vLLM's log-probs.
+    assert (args.algo.advantage.is_correction_level, args.algo.advantage.is_correction_mode) == ("token", "clip")
+    assert args.train.micro_batch_size == args.train.batch_size == 64  # one micro-batch per policy update
     if system.startswith("oppo"):
         assert args.oppo.streamed_roles == ["policy", "reference"]  # no reward model, no critic
         assert args.oppo.carry_kv == ("keep" if system == "oppo-both-keep" else "recompute")
