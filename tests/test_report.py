@@ -115,6 +115,21 @@ def test_a_long_speed_run_gets_no_convergence_table():
     assert "Convergence: target reward" in report.table(run)
 
 
+def test_phase_bound_counts_the_models_phases_and_generation_only_where_it_shares_their_gpu():
+    """The phase bound: make_experience + training + weight sync on the models' GPUs (generation too when
+    colocated), or the busiest GPU's kernel time where that is longer."""
+    summary = dict(generation_s=3.0, make_experience_s=0.5, ppo_train_s=5.0, broadcast_s=0.2)
+    assert report.phase_bound_s(summary, 4.0, "split") == pytest.approx(5.7)
+    assert report.phase_bound_s(summary, 4.0, "colocated") == pytest.approx(8.7)
+    assert report.phase_bound_s(summary, 6.0, "split") == 6.0
+    assert report.phase_bound_s(summary, None, "split") == pytest.approx(5.7)  # no NVML samples
+    run = report.run_results(str(RESULTS / "split-2gpu-1.5b-lognormal-patched-policy-logprobs-vllm-delta32"))
+    row = next(line for line in report.table(run).splitlines() if line.startswith("| upstream-sync |"))
+    s = run["systems"]["upstream-sync"]["summary"]
+    taken = s["make_experience_s"] + s["ppo_train_s"] + s["broadcast_s"]
+    assert f"| {s['step_mean_s'] / taken:.2f} |" in row  # sync waits for generation: far from its bound
+
+
 def test_table_names_the_micro_batches_where_the_run_recorded_them():
     run = report.run_results(str(RESULTS / "split-4gpu-3b-lognormal-patched"))
     assert "micro-batches" not in report.table(run)  # made before the options: 8 and 2

@@ -134,23 +134,25 @@ def table(results: dict) -> str:
         + (" · OpenRLHF with patches/openrlhf applied" if results.get("upstream_patches") else ""),
         "",
         "| system | step mean (s) | p50 | p90 | generation | make_exp | train | weight sync | other | tokens trained"
-        " | tokens/s | GPU util % | busiest GPU busy (s) | step / bound | vs sync (step / tokens/s)"
+        " | tokens/s | GPU util % | busiest GPU busy (s) | step / bound | step / phase bound | vs sync (step / tokens/s)"
         " | vs async (step / tokens/s) | util vs sync |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, result in systems.items():
         s = result.get("summary") or {}
         if not s:
-            lines.append(f"| {name} | failed (rc {result.get('returncode')}) |" + " |" * 15)
+            lines.append(f"| {name} | failed (rc {result.get('returncode')}) |" + " |" * 16)
             continue
         util = result.get("gpu_utilization", [])
         util_ratio = f"{_mean(util) / base_util:.2f}x" if base_util and util else "-"
         bound = busiest_gpu_s(s, util)
+        phases = phase_bound_s(s, bound, results["settings"]["placement"])
         lines.append(
             f"| {name} | {s['step_mean_s']:.2f} | {s['step_p50_s']:.2f} | {s['step_p90_s']:.2f}"
             f" | {s['generation_s']:.2f} | {s['make_experience_s']:.2f} | {s['ppo_train_s']:.2f}"
             f" | {s['broadcast_s']:.2f} | {s['other_s']:.2f} | {trained_tokens(s):.0f} | {s['tokens_per_s']:.0f}"
             f" | {' / '.join(f'{u:.0f}' for u in util) or '-'} | {_fmt(bound)} | {_ratio(s['step_mean_s'], bound)}"
+            f" | {_ratio(s['step_mean_s'], phases)}"
             f" | {_speedup_cell(baselines['sync'], s)} | {_speedup_cell(baselines['async'], s)} | {util_ratio} |"
         )
     oppo = [(n, r["summary"]) for n, r in systems.items() if r.get("summary") and n.startswith("oppo")]
@@ -245,6 +247,17 @@ def busiest_gpu_s(summary: dict, utilization: list):
     if not utilization:
         return None
     return max(utilization) / 100 * summary["step_mean_s"]
+
+
+def phase_bound_s(summary: dict, busiest_s, placement: str) -> float:
+    """The step's bound from the time each GPU is taken by the step's work rather than by kernels alone: the
+    models' GPUs are taken through make_experience, training and the weight sync (one after the other in every
+    system; colocated, generation too), the vLLM GPUs at least for their kernel time. Training's own gaps
+    between kernels count as taken, so "step / phase bound" is the slack that overlap can remove."""
+    taken = summary["make_experience_s"] + summary["ppo_train_s"] + summary["broadcast_s"]
+    if placement == "colocated":
+        taken += summary["generation_s"]
+    return max(taken, busiest_s or 0.0)
 
 
 def _ratio(step_s: float, bound) -> str:
