@@ -134,8 +134,8 @@ def table(results: dict) -> str:
         + (" · OpenRLHF with patches/openrlhf applied" if results.get("upstream_patches") else ""),
         "",
         "| system | step mean (s) | p50 | p90 | generation | make_exp | train | weight sync | other | tokens trained"
-        " | tokens/s | GPU util % | busiest GPU busy (s) | step / bound | step / phase bound | vs sync (step / tokens/s)"
-        " | vs async (step / tokens/s) | util vs sync |",
+        " | tokens/s | GPU util % | busiest GPU busy (s) | step / bound | step / phase bound"
+        " | vs sync (step / tokens/s) | vs async (step / tokens/s) | util vs sync |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, result in systems.items():
