@@ -153,6 +153,13 @@ class StreamCoordinator:
         self.held = [role for role in self.held if roles is not None and role not in roles]
         self._each_engine("oppo_hold", "releasing the held chunks", self.held)
 
+    def release_engine_scoring(self) -> None:
+        """Release the held roles that the engines score (the policy's log-probs), whose weights are the engines'
+        own: they have them as soon as the weight sync ends."""
+        held = [role for role in self.scored_by_engines if role in self.held]
+        if held:
+            self.release(held)
+
     def pause(self, clear_cache: bool) -> None:
         """Freeze every request in every engine; ``clear_cache`` drops their KV (re-prefilled on resume)."""
         self._each_engine("oppo_pause", "pausing generation", clear_cache=clear_cache)

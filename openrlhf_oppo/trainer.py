@@ -256,9 +256,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             )
         # The engines hold the new weights now: the policy's log-probs they score need not wait for the next
         # step's start, which comes after this step's metrics, and those can wait on the critic's catch-up.
-        held_by_engines = [role for role in self.coordinator.scored_by_engines if role in self.coordinator.held]
-        if held_by_engines:
-            self.coordinator.release(held_by_engines)
+        self.coordinator.release_engine_scoring()
 
     # -- checkpoints ------------------------------------------------------------------------------------
 

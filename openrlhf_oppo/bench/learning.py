@@ -121,6 +121,7 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
     prompts, rule reward and response lengths, and the PPO settings of the learning benchmark."""
     max_response = addition.max_response_tokens(args.digits_high)
     samples = args.batch * args.n_samples
+    update = max(1, samples // 4)  # samples a policy update
     return (
         cluster_flags(workdir, out, name, system, args.placement, args.gpus, seed, args.cache_budget_gb)
         + [
@@ -136,8 +137,8 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
             "--rollout.micro_batch_size", str(min(32, samples)),
             # Four policy updates a step, each on a quarter of the step's samples in one micro-batch: the small
             # model's training is bound by launches (1.4 s a step with micro-batches of 16 on an H200).
-            "--train.batch_size", str(max(1, samples // 4)),
-            "--train.micro_batch_size", str(max(1, samples // 4)),
+            "--train.batch_size", str(update),
+            "--train.micro_batch_size", str(update),
             "--train.max_epochs", "1",
             # Advantages against the other samples of the prompt: no critic to learn first.
             "--algo.advantage.estimator", "group_norm",
