@@ -178,6 +178,19 @@ OPTIONS = {
         ),
         "auto",
     ),
+    "state_moves": (
+        dict(
+            choices=["serial", "overlap"],
+            help="Where the critic's and the policy's DeepSpeed states move between host and GPU around their "
+            "training under --ds.enable_sleep. 'serial': as upstream, the critic's states load, it trains, they "
+            "go back, then the same for the policy. 'overlap': the policy's states load while the critic trains, "
+            "and the critic's go back while the policy trains; only the critic's load and the policy's offload "
+            "stay on the step's path. The GPU then holds one model's states more while the other trains. Needs "
+            "--ds.enable_sleep and a critic. The time training still waits on the moves: "
+            "oppo/state_moves_wait_s.",
+        ),
+        "serial",
+    ),
     "carry_kv": (
         dict(
             choices=["recompute", "keep"],
@@ -432,6 +445,17 @@ def _check_oppo(args) -> None:
             "--oppo.critic_catch_up after_fit sends the critic its held chunks while the policy trains, which needs "
             "the models apart from vLLM and awake through training (not --train.colocate_all or --ds.enable_sleep): "
             "use --oppo.critic_catch_up next_step there."
+        )
+    if oppo.state_moves == "overlap" and not args.ds.enable_sleep:
+        raise OPPOConfigError(
+            "--oppo.state_moves overlap moves DeepSpeed states that --ds.enable_sleep takes off the GPU between "
+            "steps; without it they stay on the GPU and there is nothing to overlap: add --ds.enable_sleep or drop "
+            "the option."
+        )
+    if oppo.state_moves == "overlap" and args.algo.advantage.estimator != "gae":
+        raise OPPOConfigError(
+            "--oppo.state_moves overlap loads the policy's states while the critic trains, but "
+            f"--algo.advantage.estimator {args.algo.advantage.estimator} trains no critic: drop the option."
         )
     if oppo.policy_logprobs == "vllm" and (args.rollout.temperature != 1.0 or args.vllm.enable_sleep):
         raise OPPOConfigError(

@@ -127,6 +127,12 @@ def test_help_quotes_no_benchmark_results(help_text):
             ["--oppo.enable", "--oppo.intra_step", "off", "--oppo.policy_logprobs", "vllm"],
             "the policy does not stream",
         ),
+        (["--oppo.enable", "--oppo.state_moves", "overlap"], "add --ds.enable_sleep or drop"),
+        (
+            ["--oppo.enable", "--ds.enable_sleep", "--oppo.state_moves", "overlap"]
+            + ["--algo.advantage.estimator", "group_norm"],
+            "group_norm trains no critic",
+        ),
         (["--oppo.colocate_models", "--train.colocate_all"], "two different placements"),
         (["--oppo.colocate_models", "--ref.num_gpus_per_node", "1"], "--ref.num_nodes"),
         # Settings that would quietly undo what was asked for, with what to use instead.

@@ -1,7 +1,7 @@
 """patches/openrlhf: they apply, in order, to the installed OpenRLHF 0.11.2; with them applied, upstream's
 own train_ppo_ray loads OPPO as an extension, OPPO's wrapper keeps working, and the fixes do what they
 say (prompt order seeded, tokenizer sent once, advantages equal bit for bit, a checkpoint of an episode's
-last step resumes in the next episode, the critic's training awaited first with a hook after it; the bucketed weight sync of 0007 runs against a real engine in
+last step resumes in the next episode, the critic's training awaited first with a hook after it, the sleep-mode branch a method; the bucketed weight sync of 0007 runs against a real engine in
 test_weight_sync.py)."""
 
 import json
@@ -37,7 +37,18 @@ def run(patched, code):
 
 
 def test_there_are_patches():
-    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009"]
+    assert [p.name[:4] for p in PATCHES] == [
+        "0001",
+        "0002",
+        "0003",
+        "0004",
+        "0005",
+        "0006",
+        "0007",
+        "0008",
+        "0009",
+        "0010",
+    ]
 
 
 def test_upstream_cli_loads_oppo_as_an_extension(patched):
@@ -295,3 +306,53 @@ def test_patched_ppo_train_awaits_the_critic_first_and_calls_the_hook(patched):
     log, status = json.loads(run(patched, CRITIC_FIRST).splitlines()[-1])
     assert log == ["critic fit", "actor fit", "critic awaited", "on_critic_trained", "actor awaited"]
     assert status == {"critic_loss": 1.0, "actor_loss": 1.0}
+
+
+SLEEP_MODE = """
+    import json
+    from types import SimpleNamespace
+
+    import ray
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+
+    log = []
+
+    class Group:  # a model group whose calls return at once; ray.get below logs when each is awaited
+        def __init__(self, name):
+            self.name = name
+
+        def async_run_method(self, method_name, **kwargs):
+            log.append(f"{self.name} {method_name}")
+            return [f"{self.name} {method_name}"]
+
+    def get(refs):
+        log.extend(f"{ref} awaited" for ref in refs)
+        return [{f"{ref}_loss": 1.0} for ref in refs]
+
+    ray.get = get
+    trainer = SimpleNamespace(  # ppo_train's loop alone, in sleep mode: no models, no Ray
+        args=SimpleNamespace(ds=SimpleNamespace(enable_sleep=True), critic=SimpleNamespace(freezing_steps=-1)),
+        critic_model_group=Group("critic"),
+        actor_model_group=Group("actor"),
+        kl_ctl=SimpleNamespace(value=0.0),
+    )
+    if hasattr(BasePPOTrainer, "ppo_train_sleeping"):
+        trainer.ppo_train_sleeping = lambda *run: BasePPOTrainer.ppo_train_sleeping(trainer, *run)
+    status = BasePPOTrainer.ppo_train(trainer, 1)
+    print(json.dumps([log, status]))
+"""
+
+
+def test_patched_sleep_mode_branch_is_a_method_that_makes_the_same_calls(patched):
+    """Patch 0010: in sleep mode ppo_train calls ppo_train_sleeping, which makes upstream's calls in
+    upstream's order (reload, fit, offload of the critic, then of the actor) and returns the same status."""
+    log, status = json.loads(run(patched, SLEEP_MODE).splitlines()[-1])
+    released = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SLEEP_MODE)], capture_output=True, text=True, timeout=300
+    )
+    assert json.loads(released.stdout.splitlines()[-1]) == [log, status]
+    calls = [entry for entry in log if not entry.endswith("awaited")]
+    assert calls == [
+        f"{model} {call}" for model in ("critic", "actor") for call in ("reload_states", "fit", "offload_states")
+    ]
+    assert status == {"critic fit_loss": 1.0, "actor fit_loss": 1.0}

@@ -6,6 +6,7 @@ Checks the oppo/* metrics in OpenRLHF's tensorboard log, the traces, and checkpo
 import glob
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,6 +104,72 @@ def test_the_critic_catches_up_as_soon_as_its_training_ends(checkpoints, engine,
     traces = sorted(glob.glob(str(tmp_path / "trace" / "step_*.json")))
     assert any(prefills_while_training(trace, "critic") for trace in traces)
     assert not any(prefills_while_training(trace, "policy") for trace in traces)
+
+
+class _Group:
+    """A model group whose calls return at once; ``ray.get`` (patched below) logs when each is awaited."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def async_run_method(self, method_name, **kwargs):
+        self.log.append(f"{self.name} {method_name}")
+        return [f"{self.name} {method_name}"]
+
+
+@pytest.mark.parametrize("frozen_policy", [False, True])
+def test_state_moves_overlap_the_other_models_training(monkeypatch, frozen_policy):
+    """``--oppo.state_moves overlap``: the policy's states start loading before the critic's fit is awaited,
+    and the critic's start going back before the policy's fit starts; with the policy frozen
+    (``--critic.freezing_steps``) only the critic trains and moves. Each fit's status is merged as upstream's
+    sleep-mode branch merges it (its first rank's), and the trainer's wait on the moves is logged."""
+    from openrlhf_oppo import trainer as trainer_module
+
+    log = []
+
+    def get(refs):
+        log.extend(f"{ref} awaited" for ref in refs)
+        return [{f"{ref} loss": 1.0} for ref in refs]
+
+    monkeypatch.setattr(trainer_module.ray, "get", get)
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(critic=SimpleNamespace(freezing_steps=5 if frozen_policy else -1)),
+        critic_model_group=_Group("critic", log),
+        actor_model_group=_Group("actor", log),
+        kl_ctl=SimpleNamespace(value=0.0),
+    )
+    status = trainer_module.OPPOTrainer._train_overlapping_state_moves(trainer, 1)
+    if frozen_policy:
+        assert [e for e in log if not e.endswith("awaited")] == [
+            "critic reload_states",
+            "critic fit",
+            "critic offload_states",
+        ]
+        assert set(status) == {"critic fit loss", "oppo/state_moves_wait_s"}
+        return
+    assert log.index("actor reload_states") < log.index("critic fit awaited")
+    assert log.index("critic offload_states") < log.index("actor fit")
+    assert log.index("actor reload_states awaited") < log.index("actor fit")  # the policy trains on its states
+    assert log.index("critic reload_states awaited") < log.index("critic fit")
+    assert log[-2:] == ["actor offload_states awaited", "critic offload_states awaited"]  # both back when it returns
+    assert set(status) == {"critic fit loss", "actor fit loss", "oppo/state_moves_wait_s"}
+    assert status["oppo/state_moves_wait_s"] >= 0
+
+
+def test_a_run_with_the_state_moves_overlapped(checkpoints, engine, tmp_path):
+    """``--ds.enable_sleep --oppo.state_moves overlap`` end to end (DeepSpeed's moves are the CPU stand-in's):
+    every prompt is trained once, both models train every step, and the wait on the moves is logged."""
+    prompts = str(tmp_path / "prompts.jsonl")
+    tiny.write_prompts(prompts, LENGTHS, seed=3)
+    steps = run(
+        checkpoints, engine, tmp_path, prompts,
+        "--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8",
+        "--ds.enable_sleep", "--oppo.state_moves", "overlap",
+    )  # fmt: skip
+    assert sum(s["rollout/num_samples"] for s in steps) == len(LENGTHS) * 2
+    for step in steps:
+        assert 0 <= step["oppo/state_moves_wait_s"] <= step["timing/ppo_train"]
+        assert 0 < step["oppo/critic_fit_s"] + step["oppo/policy_fit_s"] <= step["timing/ppo_train"]
 
 
 def test_the_engine_scores_the_policys_logprobs(checkpoints, engine, tmp_path):

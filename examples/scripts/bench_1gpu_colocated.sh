@@ -5,6 +5,12 @@
 # PATCHED=1 runs every system on OpenRLHF with patches/openrlhf applied (as bench_2gpu_split.sh).
 # TIMEOUT (s, default 600) a system: the first start on a machine compiles vLLM's kernels, which takes minutes.
 # Further arguments go to the benchmark, e.g. an OPPO variant: --tag=-name --oppo_extra=--oppo.FLAG --oppo_extra=VALUE
+# OPPO with Delta equal to the batch, and the same with the DeepSpeed state moves overlapped:
+#   PATCHED=1 STEPS=5 DELTA=32 SYSTEMS=upstream-sync,oppo-both bash examples/scripts/bench_1gpu_colocated.sh \
+#     --tag=-delta32
+#   PATCHED=1 STEPS=5 DELTA=32 SYSTEMS=oppo-both OUT_DIR=runs/1gpu-overlap \
+#     bash examples/scripts/bench_1gpu_colocated.sh --tag=-delta32-state-moves-overlap \
+#     --oppo_extra=--oppo.state_moves --oppo_extra=overlap
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -171,14 +171,15 @@ def table(results: dict) -> str:
 
 def cpu_keys(result: dict) -> list:
     """The ``oppo/cpu/*`` metrics (CPU seconds an actor used in a step), ``oppo/<role>_fit_s`` (a model's own
-    training) and ``oppo/busy_s/<role>`` (a role's busiest scorer's time in prefill) a system logged, in a stable
+    training), ``oppo/busy_s/<role>`` (a role's busiest scorer's time in prefill) and ``oppo/state_moves_wait_s``
+    (training's wait on DeepSpeed's state moves, ``--oppo.state_moves overlap``) a system logged, in a stable
     order."""
     return sorted(
         {
             k
             for step in result.get("steps") or []
             for k in step
-            if k.startswith(("oppo/cpu/", "oppo/busy_s/")) or k.endswith("_fit_s")
+            if k.startswith(("oppo/cpu/", "oppo/busy_s/")) or k.endswith("_fit_s") or k == "oppo/state_moves_wait_s"
         }
     )
 
@@ -188,6 +189,8 @@ def _cpu_label(key: str) -> str:
         return f"{key.removeprefix('oppo/cpu/').removesuffix('_s')} CPU s a step"
     if key.startswith("oppo/busy_s/"):
         return f"{key.removeprefix('oppo/busy_s/')} scoring (s)"
+    if key == "oppo/state_moves_wait_s":
+        return "wait on state moves (s)"
     return f"{key.removeprefix('oppo/').removesuffix('_fit_s')} fit (s)"
 
 
