@@ -266,7 +266,9 @@ def test_patched_trainer_resumes_an_ended_episode_in_the_next(patched):
     assert trained == [10, 10, 15, 10, 10, 15]  # an extra epoch after the resumes from steps 3 and 6
 
 
-CRITIC_FIRST = """
+# ppo_train's loop alone: model groups whose calls return at once, and a ray.get that logs when each is
+# awaited (no models, no Ray).
+FAKE_GROUPS = """
     import json
     from types import SimpleNamespace
 
@@ -275,7 +277,7 @@ CRITIC_FIRST = """
 
     log = []
 
-    class Group:  # a model group whose fit returns at once; ray.get below logs when each is awaited
+    class Group:
         def __init__(self, name):
             self.name = name
 
@@ -288,7 +290,12 @@ CRITIC_FIRST = """
         return [{f"{ref}_loss": 1.0} for ref in refs]
 
     ray.get = get
-    trainer = SimpleNamespace(  # ppo_train's loop alone: no models, no Ray
+"""
+
+CRITIC_FIRST = (
+    FAKE_GROUPS
+    + """
+    trainer = SimpleNamespace(
         args=SimpleNamespace(ds=SimpleNamespace(enable_sleep=False), critic=SimpleNamespace(freezing_steps=-1)),
         critic_model_group=Group("critic"),
         actor_model_group=Group("actor"),
@@ -298,6 +305,7 @@ CRITIC_FIRST = """
     status = BasePPOTrainer.ppo_train(trainer, 1)
     print(json.dumps([log, status]))
 """
+)
 
 
 def test_patched_ppo_train_awaits_the_critic_first_and_calls_the_hook(patched):
@@ -308,29 +316,10 @@ def test_patched_ppo_train_awaits_the_critic_first_and_calls_the_hook(patched):
     assert status == {"critic_loss": 1.0, "actor_loss": 1.0}
 
 
-SLEEP_MODE = """
-    import json
-    from types import SimpleNamespace
-
-    import ray
-    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
-
-    log = []
-
-    class Group:  # a model group whose calls return at once; ray.get below logs when each is awaited
-        def __init__(self, name):
-            self.name = name
-
-        def async_run_method(self, method_name, **kwargs):
-            log.append(f"{self.name} {method_name}")
-            return [f"{self.name} {method_name}"]
-
-    def get(refs):
-        log.extend(f"{ref} awaited" for ref in refs)
-        return [{f"{ref}_loss": 1.0} for ref in refs]
-
-    ray.get = get
-    trainer = SimpleNamespace(  # ppo_train's loop alone, in sleep mode: no models, no Ray
+SLEEP_MODE = (
+    FAKE_GROUPS
+    + """
+    trainer = SimpleNamespace(
         args=SimpleNamespace(ds=SimpleNamespace(enable_sleep=True), critic=SimpleNamespace(freezing_steps=-1)),
         critic_model_group=Group("critic"),
         actor_model_group=Group("actor"),
@@ -341,6 +330,7 @@ SLEEP_MODE = """
     status = BasePPOTrainer.ppo_train(trainer, 1)
     print(json.dumps([log, status]))
 """
+)
 
 
 def test_patched_sleep_mode_branch_is_a_method_that_makes_the_same_calls(patched):
@@ -355,4 +345,4 @@ def test_patched_sleep_mode_branch_is_a_method_that_makes_the_same_calls(patched
     assert calls == [
         f"{model} {call}" for model in ("critic", "actor") for call in ("reload_states", "fit", "offload_states")
     ]
-    assert status == {"critic fit_loss": 1.0, "actor fit_loss": 1.0}
+    assert status == {"critic_loss": 1.0, "actor_loss": 1.0}
