@@ -101,6 +101,36 @@ def test_tokens_trained_are_the_responses_of_the_measured_steps():
     assert f"| {by_step:.2f}x / {by_token:.2f}x |" in row and by_token > by_step
 
 
+def test_same_samples_table_compares_only_the_steps_with_equal_work():
+    """An OPPO step is set beside a baseline's step of the same global step only where both trained as many
+    samples with the same mean length; the warm-up is left out, and each row averages its own steps."""
+
+    def steps(*trained):
+        return [
+            {"step": i + 1, "wall_s": wall, "rollout/num_samples": 4, "rollout/response_length_mean": length}
+            for i, (length, wall) in enumerate(trained)
+        ]
+
+    ok = {"summary": {"step_mean_s": 1.0}}
+    run = {
+        "settings": {"warmup": 1, "steps": 3},
+        "systems": {
+            "upstream-sync": {**ok, "steps": steps((10, 9.0), (10, 4.0), (30, 6.0), (50, 8.0))},
+            "upstream-async": {**ok, "steps": steps((10, 9.0), (10, 3.0), (30, 3.0), (50, 3.0))},
+            "oppo-both": {**ok, "steps": steps((10, 9.0), (5, 1.0), (30, 2.0), (50, 4.0))},
+        },
+    }
+    rows = report.same_samples_table(run)[2:]
+    assert rows == [
+        "| oppo-both | upstream-sync | 2 of 3 (3, 4) | 3.00 | 7.00 | 2.33x |",
+        "| oppo-both | upstream-async | 2 of 3 (3, 4) | 3.00 | 3.00 | 1.00x |",
+    ]
+    run["systems"]["oppo-both"]["steps"][1]["rollout/response_length_mean"] = 10
+    assert report.same_samples_table(run)[2].startswith("| oppo-both | upstream-sync | all 3 | 2.33 | 6.00 |")
+    del run["systems"]["oppo-both"]
+    assert report.same_samples_table(run) == []  # no OPPO system, no table
+
+
 def test_a_long_speed_run_gets_no_convergence_table():
     """Ten steps or more of the speed benchmark's random reward model say nothing about learning: the speed
     summary keeps the run, and only a rule reward (or the learning benchmark) makes it a convergence run."""

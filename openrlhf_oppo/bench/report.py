@@ -9,7 +9,9 @@ merged). ``--summary`` prints one row per system of every run folder given (a sp
 runs are left out), or with ``--into`` replaces the summary block of that markdown file.
 ``--section`` prints the start of a run's section in docs/RESULTS.md: its command, raw files and table.
 
-Runs of 10 steps or more also get a convergence table (reward per step, time to a target reward) and
+Where an OPPO system and an upstream baseline trained the same samples at some measured steps, a table
+compares their steps there (equal work; over all measured steps, OPPO with a large Delta trains the short
+responses first). Runs of 10 steps or more also get a convergence table (reward per step, time to a target reward) and
 plot; runs that logged ``oppo/memory/*`` get a memory table and plot (every actor's memory per step), and
 runs with host CPU samples or ``oppo/cpu/*`` a CPU table. Runs of the learning benchmark (``--task``) get
 their own table and plots (``learning_report.py``).
@@ -160,6 +162,9 @@ def table(results: dict) -> str:
         lines += ["", "| OPPO system | " + " | ".join(OPPO_KEYS) + " |", "|---|" + "---|" * len(OPPO_KEYS)]
         for name, s in oppo:
             lines.append(f"| {name} | " + " | ".join(_fmt(s.get(k)) for k in OPPO_KEYS) + " |")
+    same = same_samples_table(results)
+    if same:
+        lines += ["", *same]
     if is_convergence(results):
         lines += ["", *convergence_table(results)]
     if any(memory_keys(r) for r in systems.values()):
@@ -167,6 +172,49 @@ def table(results: dict) -> str:
     if any(r.get("cpu_samples") or cpu_keys(r) for r in systems.values()):
         lines += ["", *cpu_table(results)]
     return "\n".join(lines) + "\n"
+
+
+def _trained(step: dict) -> tuple:
+    """What a step trained, as far as the log tells: its sample count and mean response length. The benchmark's
+    requests have fixed lengths and every system sees the prompts in one order, so two steps with equal
+    figures trained the same samples."""
+    return step.get("rollout/num_samples"), round(step.get("rollout/response_length_mean", -1.0), 3)
+
+
+def same_samples_table(results: dict) -> list:
+    """For each OPPO system against each upstream baseline, the measured steps at which both trained the same
+    samples, and the mean step of each over those steps. With a large Delta OPPO's first steps train the short
+    responses and later ones the long, so the means over all measured steps compare different work; on these
+    steps the work is equal."""
+    warmup, count = results["settings"]["warmup"], results["settings"]["steps"]
+    measured = {
+        name: (result.get("steps") or [])[warmup : warmup + count]
+        for name, result in results["systems"].items()
+        if result.get("summary")
+    }
+    rows = []
+    for name, steps in measured.items():
+        if not name.startswith("oppo"):
+            continue
+        for base in ("upstream-sync", "upstream-async"):
+            pairs = [(o, b) for o, b in zip(steps, measured.get(base, [])) if _trained(o) == _trained(b)]
+            if pairs:
+                oppo_s = statistics.mean(o["wall_s"] for o, _ in pairs)
+                base_s = statistics.mean(b["wall_s"] for _, b in pairs)
+                which = f"all {len(steps)}" if len(pairs) == len(steps) else f"{len(pairs)} of {len(steps)}"
+                if len(pairs) < len(steps):
+                    which += " (" + ", ".join(str(o["step"]) for o, _ in pairs) + ")"
+                rows.append(
+                    f"| {name} | {base} | {which}" f" | {oppo_s:.2f} | {base_s:.2f} | {base_s / oppo_s:.2f}x |"
+                )
+    if not rows:
+        return []
+    return [
+        "| OPPO system | against | measured steps with the same samples (global step) | OPPO step (s)"
+        " | its step (s) | speed-up |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def cpu_keys(result: dict) -> list:
