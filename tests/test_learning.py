@@ -7,7 +7,7 @@ import os
 import pytest
 
 from openrlhf_oppo import tiny
-from openrlhf_oppo.bench import addition, learning_report, report, warmup
+from openrlhf_oppo.bench import addition, learning, learning_report, report, warmup
 
 
 def test_the_response_is_a_chain_of_carries_then_the_answer():
@@ -135,3 +135,48 @@ def test_the_band_is_the_baseline_seeds_range_step_by_step():
     assert learning_report.band(baseline) == ([0.1, 0.2, 0.3], pytest.approx([0.2, 0.3, 0.4]), [0.3, 0.4, 0.5])
     assert learning_report.share_in_band([[0.2, 0.5, 0.4]], baseline) == pytest.approx(2 / 3)
     assert learning_report.accuracy(_steps([0.0, 0.3, 0.6, 0.9], 1)) == pytest.approx([0.0, 0.15, 0.3, 0.6])
+
+
+def test_held_out_accuracy_has_its_own_table_and_time_to_target(tmp_path):
+    """Steps followed by an evaluation carry OpenRLHF's ``eval/eval_default_pass1``: the held-out table gives the
+    first and last evaluation and the first evaluation at the target, over the seeds, against upstream sync's."""
+    results = _results(
+        {
+            ("oppo-both", 0): (RISING, 30),  # OPPO ran first: sync's minutes are known only later
+            ("upstream-sync", 0): (RISING, 60),
+            ("upstream-sync", 1): (RISING, 60),
+            ("oppo-both-keep", 0): (RISING, 30),
+        }
+    )
+    results["settings"]["eval_every"] = 2
+    held_out = {"upstream-sync": [0.3, 0.5, 0.7, 0.8, 0.9], "oppo-both": [0.4, 0.6, 0.8, 0.9, 0.9]}
+    held_out["oppo-both-keep"] = [0.3, 0.4, 0.4, 0.5, 0.5]
+    for run in results["systems"].values():
+        for k, value in enumerate(held_out[run["system"]]):
+            run["steps"][2 * k + 1].update({learning_report.HELDOUT: value, "eval/eval_num_samples": 256.0})
+    lines = report.table(results).splitlines()
+    assert any(line.startswith("Held-out accuracy (greedy, the same 256 sums") for line in lines)
+    start = lines.index("| system | first evaluation | last evaluation | seeds at target | step to target"
+                        " | minutes to target | minutes vs sync |")  # fmt: skip
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[start + 2 :]}
+    # first, last, seeds at target, step, minutes, vs sync
+    assert rows["upstream-sync"] == [
+        "30.0% (30.0%-30.0%)",
+        "90.0% (90.0%-90.0%)",
+        "2/2",
+        "8 (8-8)",
+        "8.0 (8.0-8.0)",
+        "1.00x",
+    ]
+    assert rows["oppo-both"] == ["40.0%", "90.0%", "1/1", "6", "3.0", "0.38x"]
+    assert rows["oppo-both-keep"] == ["30.0%", "50.0%", "0/1", "-", "-", "-"]
+    report.write(results, str(tmp_path))  # the plots draw the held-out points
+    assert (tmp_path / "accuracy-by-time.png").stat().st_size > 0
+
+
+def test_runs_are_evaluated_on_the_warm_ups_held_out_sums():
+    args = learning.parse(["--task", "addition", "--out", "x"])
+    flags = learning.eval_flags("/w", args.eval_every)
+    assert flags == ["--eval.dataset", "/w/heldout.jsonl", "--eval.steps", "10", "--eval.temperature", "0",
+                     "--eval.n_samples_per_prompt", "1"]  # fmt: skip
+    assert learning.eval_flags("/w", 0) == []

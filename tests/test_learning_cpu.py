@@ -29,7 +29,7 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
             "--gpus", "2", "--placement", "split", "--shape", "tiny",
             "--batch", str(BATCH), "--n_samples", str(N_SAMPLES), "--steps", str(STEPS), "--overcommit", "1",
             "--warmup_target", "0.1", "--warmup_max_steps", "600", "--digits_mean", "1.5", "--digits_high", "2",
-            "--target", "0.05", "--out", str(out),
+            "--target", "0.05", "--eval_every", "4", "--out", str(out),
         ]
     )  # fmt: skip
     runner, threads = CPURunner(), torch.get_num_threads()
@@ -57,6 +57,16 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
     # Some sampled responses of the warmed-up model are right and scored so (the rule reads the end of text that
     # vLLM's response ends with); with the engine's seed the same ones every time.
     assert max(s["rollout/reward_mean"] for r in results["systems"].values() for s in r["steps"]) > 0
+    # Both were evaluated after their last step on the warm-up's held-out sums (the first 16 of its 64: OpenRLHF's
+    # --data.max_samples caps the eval set too), greedy, one response each: with the weights as the warm-up left
+    # them (the CPU stand-in trains nothing), the same right answers in both.
+    evaluations = []
+    for name in ("upstream-sync-seed0", "oppo-both-seed0"):
+        steps = results["systems"][name]["steps"]
+        assert [s["step"] for s in steps if learning_report.HELDOUT in s] == [STEPS + 2]
+        assert steps[-1]["eval/eval_num_samples"] == (STEPS + 2) * BATCH
+        evaluations.append(steps[-1][learning_report.HELDOUT])
+    assert evaluations[0] == evaluations[1] > 0
     oppo = results["systems"]["oppo-both-seed0"]["steps"]
     assert all(s["oppo/fallback_micro_batches"] == 0 for s in oppo)  # the policy and reference streamed
     assert max(s["oppo/carried_groups"] for s in oppo) <= 1
@@ -66,5 +76,6 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
     assert (out / "table.md").read_text() == learning_report.table(raw)
     for plot in ("accuracy-by-step.png", "accuracy-by-time.png", "breakdown.png"):
         assert (out / plot).stat().st_size > 0
+    assert f"Held-out accuracy (greedy, the same {(STEPS + 2) * BATCH} sums" in (out / "table.md").read_text()
     rows = [line for line in (out / "table.md").read_text().splitlines() if line.startswith("| upstream-sync")]
     assert rows and rows[0].split("|")[2].strip() == "1"  # one seed

@@ -9,9 +9,11 @@
    (``--train.seed``: vLLM's sampling and the prompt order), ``--steps`` steps each,
    one run after the other, each a ``train_ppo_ray`` process as in the speed benchmark (``__main__.run_system``).
    Responses end where the model ends them: no ``--bench.lengths_from_label``.
+   Every ``--eval_every`` steps each run is evaluated greedily on the warm-up's held-out sums (``eval_flags``).
 3. ``results.json`` after each run, then ``table.md`` (accuracy at the start and end, its rise, the step and
-   minutes at which the seeds reach ``--target``, whether the curve stays in upstream sync's seed band) and the
-   plots of accuracy against step and against wall-clock time, with a band over the seeds (``learning_report.py``).
+   minutes at which the seeds reach ``--target``, whether the curve stays in upstream sync's seed band; the same
+   for the held-out accuracy) and the plots of accuracy against step and against wall-clock time, with a band
+   over the seeds (``learning_report.py``).
 
 The defaults are the GPU benchmark's; the CPU tests run the same function (``run``) scaled down, with a runner
 that drives OpenRLHF's trainer in-process on CPU stand-ins.
@@ -49,6 +51,13 @@ def parse(argv=None):
     parser.add_argument("--target", type=float, default=0.8, help="the accuracy the convergence table times")
     parser.add_argument("--warmup_target", type=float, default=0.3, help="held-out greedy accuracy to stop at")
     parser.add_argument("--warmup_max_steps", type=int, default=5000)
+    parser.add_argument(
+        "--eval_every",
+        type=int,
+        default=10,
+        help="PPO steps between greedy evaluations on the warm-up's held-out sums, the same prompts for every "
+        "system (OpenRLHF's --eval.*); 0: none",
+    )
     parser.add_argument("--digits_mean", type=float, default=addition.DIGITS["mean"])
     parser.add_argument("--digits_high", type=int, default=addition.DIGITS["high"])
     parser.add_argument("--seed", type=int, default=0, help="the warm-up's and the prompts' seed")
@@ -95,10 +104,16 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
     prompts = addition.write_prompts(
         os.path.join(workdir, "prompts.jsonl"), args.batch * (args.steps + 2), args.seed, **digits
     )
+    # The training reward is the accuracy of the samples each step trains; OPPO trains each step's first groups to
+    # finish, the short sums first. The held-out accuracy is measured on one prompt set for every system: the sums
+    # the warm-up was evaluated on, so that its curve starts where the warm-up ended.
+    heldout = addition.write_prompts(
+        os.path.join(workdir, "heldout.jsonl"), warm["settings"]["heldout"], args.seed + warmup.HELDOUT_SEED, **digits
+    )
     results = dict(
         **header,
         settings=dict(vars(args), systems=systems, seeds=seeds),
-        task=dict(name=args.task, target=args.target, warmup=warm, prompts=prompts),
+        task=dict(name=args.task, target=args.target, warmup=warm, prompts=prompts, heldout=heldout),
         upstream_patches=[patch.name for patch in patches()] if args.upstream_patches else [],
         systems={},
     )
@@ -150,6 +165,19 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
             "--algo.advantage.is_correction_mode", "clip",
             "--actor.adam.lr", str(args.lr),
         ]
+        + eval_flags(workdir, args.eval_every)
         + system_flags(system, args.placement, args.overcommit)
         + args.extra
     )  # fmt: skip
+
+
+def eval_flags(workdir: str, every: int) -> list:
+    """Greedy evaluation on the held-out sums every ``every`` steps (logged as ``eval/eval_default_pass1``)."""
+    if not every:
+        return []
+    return [
+        "--eval.dataset", f"{workdir}/heldout.jsonl",
+        "--eval.steps", str(every),
+        "--eval.temperature", "0",
+        "--eval.n_samples_per_prompt", "1",
+    ]  # fmt: skip

@@ -5,6 +5,9 @@ otherwise), over the step's sampled responses. Curves are smoothed with a 3-step
 table and the plots. A seed reaches the target at the first step whose smoothed accuracy is at or above it;
 its minutes count from the start of its first step (the start-up of Ray, vLLM and the models is left out).
 Upstream sync's seed band is, at each step, the lowest to the highest of its seeds' smoothed accuracies.
+That accuracy is over the samples each step trains, and OPPO trains each step's first groups to finish (the
+short sums first); runs with evaluations also get the held-out accuracy: greedy, on one set of sums for every
+system (OpenRLHF's ``--eval.*``), unsmoothed, with its own time to the target.
 ``report.write`` and ``report.table`` come here for a learning run.
 """
 
@@ -12,6 +15,7 @@ import statistics
 
 SMOOTHING = 3  # steps in the moving mean
 BASELINE = "upstream-sync"
+HELDOUT = "eval/eval_default_pass1"  # OpenRLHF's pass@1 on an eval set without a datasource column
 
 
 def runs_by_system(results: dict) -> dict:
@@ -38,6 +42,11 @@ def minutes(steps: list) -> list:
 def reached(steps: list, target: float):
     """The index of the first step whose smoothed accuracy is at or above ``target``, or None."""
     return next((i for i, value in enumerate(accuracy(steps)) if value >= target), None)
+
+
+def heldout(steps: list) -> list:
+    """``(index of the step, held-out accuracy)`` at each step that was followed by an evaluation."""
+    return [(i, step[HELDOUT]) for i, step in enumerate(steps) if HELDOUT in step]
 
 
 def band(curves: list) -> tuple:
@@ -104,7 +113,51 @@ def table(results: dict) -> str:
             f" | {_spread([i + 1 for i, _ in hits], '.0f')} | {_spread([m for _, m in hits], '.1f')}"
             f" | {f'{own / base_minutes:.2f}x' if own and base_minutes else '-'} | {in_band} |"
         )
+    if any(heldout(steps) for seeds in runs.values() for steps in seeds.values()):
+        lines += ["", *heldout_table(results)]
     return "\n".join(lines) + "\n"
+
+
+def heldout_table(results: dict) -> list:
+    """Per system, the held-out accuracy at the first and the last evaluation and the first evaluation at or above
+    the target (its step and minutes), means over the seeds (lowest-highest)."""
+    target, runs = results["task"]["target"], runs_by_system(results)
+    # The sums evaluated (OpenRLHF's --data.max_samples caps the eval set as well as the training set).
+    evaluated = max(s.get("eval/eval_num_samples", 0) for seeds in runs.values() for r in seeds.values() for s in r)
+    lines = [
+        f"Held-out accuracy (greedy, the same {evaluated:.0f} sums for every system, every"
+        f" {results['settings']['eval_every']} steps), means over the seeds (lowest-highest); target {target:.0%}.",
+        "",
+        "| system | first evaluation | last evaluation | seeds at target | step to target | minutes to target"
+        " | minutes vs sync |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def first_hit(steps):
+        return next((i for i, value in heldout(steps) if value >= target), None)
+
+    hits = {
+        system: [(i, minutes(steps)[i]) for steps in seeds.values() if (i := first_hit(steps)) is not None]
+        for system, seeds in runs.items()
+    }
+    minutes_to = {
+        system: statistics.mean(m for _, m in hits[system])
+        for system, seeds in runs.items()
+        if seeds and len(hits[system]) == len(seeds)
+    }
+    base = minutes_to.get(BASELINE)
+    for system, seeds in runs.items():
+        if not seeds:
+            continue  # failed: the first table says so
+        evals = [heldout(steps) for steps in seeds.values()]
+        first, last = [p[0][1] for p in evals if p], [p[-1][1] for p in evals if p]
+        own = minutes_to.get(system)
+        lines.append(
+            f"| {system} | {_spread(first, '.1%')} | {_spread(last, '.1%')} | {len(hits[system])}/{len(seeds)}"
+            f" | {_spread([i + 1 for i, _ in hits[system]], '.0f')} | {_spread([m for _, m in hits[system]], '.1f')}"
+            f" | {f'{own / base:.2f}x' if own and base else '-'} |"
+        )
+    return lines
 
 
 def _minutes_to_target(seeds: dict, target: float):
@@ -150,6 +203,17 @@ def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
             low, mean, high = band(curves)
             (line,) = ax.plot(x, mean, label=f"{system} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
             ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
+            points = [heldout(steps) for steps in seeds.values()]
+            count = min(len(p) for p in points)
+            if count:  # the held-out accuracy, mean over the seeds, at each evaluation
+                at = [
+                    statistics.mean(
+                        minutes(steps)[p[k][0]] if by_time else p[k][0] + 1 for steps, p in zip(seeds.values(), points)
+                    )
+                    for k in range(count)
+                ]
+                values = [statistics.mean(p[k][1] for p in points) for k in range(count)]
+                ax.plot(at, values, ls=":", marker="o", ms=3, color=line.get_color(), label=f"{system}, held-out")
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.0%}")
         ax.set_xlabel("wall-clock minutes from the first step" if by_time else "PPO step")
         ax.set_ylabel(f"accuracy of sampled responses ({SMOOTHING}-step mean)")
