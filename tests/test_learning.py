@@ -139,30 +139,34 @@ def test_the_band_is_the_baseline_seeds_range_step_by_step():
 
 def test_held_out_accuracy_has_its_own_table_and_time_to_target(tmp_path):
     """Steps followed by an evaluation carry OpenRLHF's ``eval/eval_default_pass1``: the held-out table gives the
-    first and last evaluation and the first evaluation at the target, over the seeds, against upstream sync's."""
+    accuracy at the first and last step evaluated in every run (upstream async's last evaluation can be missing)
+    and the first evaluation at the target, over the seeds, against upstream sync's."""
     results = _results(
         {
             ("oppo-both", 0): (RISING, 30),  # OPPO ran first: sync's minutes are known only later
             ("upstream-sync", 0): (RISING, 60),
             ("upstream-sync", 1): (RISING, 60),
             ("oppo-both-keep", 0): (RISING, 30),
+            ("upstream-async", 0): (RISING, 40),
         }
     )
     results["settings"]["eval_every"] = 2
     held_out = {"upstream-sync": [0.3, 0.5, 0.7, 0.8, 0.9], "oppo-both": [0.4, 0.6, 0.8, 0.9, 0.9]}
-    held_out["oppo-both-keep"] = [0.3, 0.4, 0.4, 0.5, 0.5]
+    held_out.update({"oppo-both-keep": [0.3, 0.4, 0.4, 0.5, 0.5], "upstream-async": [0.3, 0.5, 0.7, 0.8]})
     for run in results["systems"].values():
         for k, value in enumerate(held_out[run["system"]]):
             run["steps"][2 * k + 1].update({learning_report.HELDOUT: value, "eval/eval_num_samples": 256.0})
     lines = report.table(results).splitlines()
-    assert any(line.startswith("Held-out accuracy (greedy, the same 256 sums") for line in lines)
-    start = lines.index("| system | first evaluation | last evaluation | seeds at target | step to target"
-                        " | minutes to target | minutes vs sync |")  # fmt: skip
+    assert any(
+        line.startswith("Held-out accuracy (greedy, the same 256 sums for every system, every 2") for line in lines
+    )
+    start = lines.index("| system | step 2 | step 8 | seeds at target | step to target | minutes to target"
+                        " | minutes vs sync |")  # fmt: skip
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[start + 2 :]}
-    # first, last, seeds at target, step, minutes, vs sync
+    # step 2, step 8, seeds at target, step, minutes, vs sync
     assert rows["upstream-sync"] == [
         "30.0% (30.0%-30.0%)",
-        "90.0% (90.0%-90.0%)",
+        "80.0% (80.0%-80.0%)",
         "2/2",
         "8 (8-8)",
         "8.0 (8.0-8.0)",
@@ -170,13 +174,33 @@ def test_held_out_accuracy_has_its_own_table_and_time_to_target(tmp_path):
     ]
     assert rows["oppo-both"] == ["40.0%", "90.0%", "1/1", "6", "3.0", "0.38x"]
     assert rows["oppo-both-keep"] == ["30.0%", "50.0%", "0/1", "-", "-", "-"]
+    assert rows["upstream-async"] == ["30.0%", "80.0%", "1/1", "8", "5.3", "0.67x"]
     report.write(results, str(tmp_path))  # the plots draw the held-out points
     assert (tmp_path / "accuracy-by-time.png").stat().st_size > 0
+
+
+def test_time_in_the_loop_excludes_evaluations_only_where_they_paused_training():
+    """Upstream sync and OPPO evaluate between a step's log and the next step: those seconds leave the next step's
+    time and the minutes. Upstream async evaluates beside training and logs it after the next step: nothing leaves."""
+    in_loop = [
+        {"start": 0.0, "end": 10.0, "wall_s": 10.0, "eval_end": 13.0},  # 3 s of evaluation after step 1
+        {"start": 10.0, "end": 23.0, "wall_s": 13.0},
+        {"start": 23.0, "end": 33.0, "wall_s": 10.0, "eval_end": 35.0},  # after the last step: not in a step
+    ]
+    assert learning_report.in_loop_eval_s(in_loop) == [0.0, 3.0, 0.0]
+    assert learning_report.step_seconds(in_loop) == [10.0, 10.0, 10.0]
+    assert learning_report.minutes(in_loop) == pytest.approx([10 / 60, 20 / 60, 30 / 60])
+    beside = [
+        {"start": 0.0, "end": 10.0, "wall_s": 10.0, "eval_end": 21.0},  # logged after step 2's own log
+        {"start": 10.0, "end": 20.0, "wall_s": 10.0},
+    ]
+    assert learning_report.in_loop_eval_s(beside) == [0.0, 0.0]
+    assert learning_report.minutes(beside) == pytest.approx([10 / 60, 20 / 60])
 
 
 def test_runs_are_evaluated_on_the_warm_ups_held_out_sums():
     args = learning.parse(["--task", "addition", "--out", "x"])
     flags = learning.eval_flags("/w", args.eval_every)
     assert flags == ["--eval.dataset", "/w/heldout.jsonl", "--eval.steps", "10", "--eval.temperature", "0",
-                     "--eval.n_samples_per_prompt", "1"]  # fmt: skip
+                     "--eval.n_samples_per_prompt", "1", "--ckpt.best_metric_key", "none"]  # fmt: skip
     assert learning.eval_flags("/w", 0) == []

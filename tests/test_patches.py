@@ -1,7 +1,8 @@
 """patches/openrlhf: they apply, in order, to the installed OpenRLHF 0.11.2; with them applied, upstream's
 own train_ppo_ray loads OPPO as an extension, OPPO's wrapper keeps working, and the fixes do what they
 say (prompt order seeded, tokenizer sent once, advantages equal bit for bit, a checkpoint of an episode's
-last step resumes in the next episode, the critic's training awaited first with a hook after it, the sleep-mode branch a method; the bucketed weight sync of 0007 runs against a real engine in
+last step resumes in the next episode, the critic's training awaited first with a hook after it, the
+sleep-mode branch a method; the bucketed weight sync of 0007 runs against a real engine in
 test_weight_sync.py)."""
 
 import json
@@ -325,10 +326,16 @@ SLEEP_MODE = (
         actor_model_group=Group("actor"),
         kl_ctl=SimpleNamespace(value=0.0),
     )
-    if hasattr(BasePPOTrainer, "ppo_train_sleeping"):
-        trainer.ppo_train_sleeping = lambda *run: BasePPOTrainer.ppo_train_sleeping(trainer, *run)
+    hooked = hasattr(BasePPOTrainer, "ppo_train_sleeping")
+    if hooked:  # the hook, logged where ppo_train calls it
+
+        def sleeping(*run):
+            log.append("ppo_train_sleeping")
+            return BasePPOTrainer.ppo_train_sleeping(trainer, *run)
+
+        trainer.ppo_train_sleeping = sleeping
     status = BasePPOTrainer.ppo_train(trainer, 1)
-    print(json.dumps([log, status]))
+    print(json.dumps([hooked, log, status]))
 """
 )
 
@@ -336,12 +343,13 @@ SLEEP_MODE = (
 def test_patched_sleep_mode_branch_is_a_method_that_makes_the_same_calls(patched):
     """Patch 0010: in sleep mode ppo_train calls ppo_train_sleeping, which makes upstream's calls in
     upstream's order (reload, fit, offload of the critic, then of the actor) and returns the same status."""
-    log, status = json.loads(run(patched, SLEEP_MODE).splitlines()[-1])
+    hooked, log, status = json.loads(run(patched, SLEEP_MODE).splitlines()[-1])
+    assert hooked and log[0] == "ppo_train_sleeping"  # patched, ppo_train goes through the hook
     released = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(SLEEP_MODE)], capture_output=True, text=True, timeout=300
     )
-    assert json.loads(released.stdout.splitlines()[-1]) == [log, status]
-    calls = [entry for entry in log if not entry.endswith("awaited")]
+    assert json.loads(released.stdout.splitlines()[-1]) == [False, log[1:], status]  # upstream's own calls
+    calls = [entry for entry in log[1:] if not entry.endswith("awaited")]
     assert calls == [
         f"{model} {call}" for model in ("critic", "actor") for call in ("reload_states", "fit", "offload_states")
     ]

@@ -127,6 +127,10 @@ def test_same_samples_table_compares_only_the_steps_with_equal_work():
     ]
     run["systems"]["oppo-both"]["steps"][1]["rollout/response_length_mean"] = 10
     assert report.same_samples_table(run)[2].startswith("| oppo-both | upstream-sync | all 3 | 2.33 | 6.00 |")
+    for name in ("oppo-both", "upstream-sync"):  # a step that logged neither figure is not known to be equal
+        for key in ("rollout/num_samples", "rollout/response_length_mean"):
+            run["systems"][name]["steps"][2].pop(key)
+    assert report.same_samples_table(run)[2] == "| oppo-both | upstream-sync | 2 of 3 (2, 4) | 2.50 | 6.00 | 2.40x |"
     del run["systems"]["oppo-both"]
     assert report.same_samples_table(run) == []  # no OPPO system, no table
 

@@ -172,7 +172,8 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
 
 
 def eval_flags(workdir: str, every: int) -> list:
-    """Greedy evaluation on the held-out sums every ``every`` steps (logged as ``eval/eval_default_pass1``)."""
+    """Greedy evaluation on the held-out sums every ``every`` steps (logged as ``eval/eval_default_pass1``). No
+    best-checkpoint saving: OpenRLHF would otherwise save one at every improvement, inside the timed steps."""
     if not every:
         return []
     return [
@@ -180,4 +181,5 @@ def eval_flags(workdir: str, every: int) -> list:
         "--eval.steps", str(every),
         "--eval.temperature", "0",
         "--eval.n_samples_per_prompt", "1",
+        "--ckpt.best_metric_key", "none",
     ]  # fmt: skip

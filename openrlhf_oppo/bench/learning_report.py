@@ -11,6 +11,7 @@ system (OpenRLHF's ``--eval.*``), unsmoothed, with its own time to the target.
 ``report.write`` and ``report.table`` come here for a learning run.
 """
 
+import itertools
 import statistics
 
 SMOOTHING = 3  # steps in the moving mean
@@ -34,9 +35,28 @@ def accuracy(steps: list) -> list:
     return [statistics.mean(raw[max(0, i - SMOOTHING + 1) : i + 1]) for i in range(len(raw))]
 
 
+def in_loop_eval_s(steps: list) -> list:
+    """Per step, the seconds of a held-out evaluation that ran in the training loop before it. Upstream sync and
+    OPPO evaluate between a step's log and the next step, which the next step's wall time would count; upstream
+    async evaluates in its generator beside training, logged after the next step, and is charged nothing."""
+    charged = [0.0] * len(steps)
+    for k in range(len(steps) - 1):
+        done = steps[k].get("eval_end")
+        if done is not None and done <= steps[k + 1]["end"]:
+            charged[k + 1] = max(0.0, done - steps[k]["end"])
+    return charged
+
+
+def step_seconds(steps: list) -> list:
+    """Each step's wall time, less a held-out evaluation run in the training loop before it."""
+    return [s["wall_s"] - e for s, e in zip(steps, in_loop_eval_s(steps))]
+
+
 def minutes(steps: list) -> list:
-    """Wall-clock minutes from the start of the first step to the end of each."""
-    return [(s["end"] - steps[0]["start"]) / 60 for s in steps]
+    """Wall-clock minutes from the start of the first step to the end of each, less the held-out evaluations run
+    in the training loop."""
+    evaluations = itertools.accumulate(in_loop_eval_s(steps))
+    return [(s["end"] - steps[0]["start"] - e) / 60 for s, e in zip(steps, evaluations)]
 
 
 def reached(steps: list, target: float):
@@ -101,7 +121,7 @@ def table(results: dict) -> str:
         curves = [accuracy(steps) for steps in seeds.values()]
         start, end = [accuracy(steps[:SMOOTHING])[-1] for steps in seeds.values()], [c[-1] for c in curves]
         hits = [(i, minutes(steps)[i]) for steps in seeds.values() if (i := reached(steps, target)) is not None]
-        step_s = [statistics.mean(s["wall_s"] for s in steps) for steps in seeds.values()]
+        step_s = [statistics.mean(step_seconds(steps)) for steps in seeds.values()]
         own = _minutes_to_target(seeds, target)
         in_band = "-"
         if system != BASELINE and runs.get(BASELINE):
@@ -119,17 +139,23 @@ def table(results: dict) -> str:
 
 
 def heldout_table(results: dict) -> list:
-    """Per system, the held-out accuracy at the first and the last evaluation and the first evaluation at or above
-    the target (its step and minutes), means over the seeds (lowest-highest)."""
+    """Per system, the held-out accuracy at the first and the last step evaluated in every run (upstream async's
+    last evaluation can fall after its run ends), and the first evaluation at or above the target (its step and
+    minutes), means over the seeds (lowest-highest)."""
     target, runs = results["task"]["target"], runs_by_system(results)
+    evaluations = [dict(heldout(steps)) for seeds in runs.values() for steps in seeds.values()]
+    common = sorted(set.intersection(*(set(e) for e in evaluations)))
     # The sums evaluated (OpenRLHF's --data.max_samples caps the eval set as well as the training set).
     evaluated = max(s.get("eval/eval_num_samples", 0) for seeds in runs.values() for r in seeds.values() for s in r)
+    every = results["settings"].get("eval_every")
     lines = [
-        f"Held-out accuracy (greedy, the same {evaluated:.0f} sums for every system, every"
-        f" {results['settings']['eval_every']} steps), means over the seeds (lowest-highest); target {target:.0%}.",
+        f"Held-out accuracy (greedy, the same {evaluated:.0f} sums for every system"
+        + (f", every {every} steps" if every else "")
+        + f"), means over the seeds (lowest-highest); target {target:.0%}.",
         "",
-        "| system | first evaluation | last evaluation | seeds at target | step to target | minutes to target"
-        " | minutes vs sync |",
+        "| system | "
+        + (f"step {common[0] + 1} | step {common[-1] + 1}" if common else "first evaluation | last evaluation")
+        + " | seeds at target | step to target | minutes to target | minutes vs sync |",
         "|---|---|---|---|---|---|---|",
     ]
 
@@ -149,8 +175,8 @@ def heldout_table(results: dict) -> list:
     for system, seeds in runs.items():
         if not seeds:
             continue  # failed: the first table says so
-        evals = [heldout(steps) for steps in seeds.values()]
-        first, last = [p[0][1] for p in evals if p], [p[-1][1] for p in evals if p]
+        evals = [dict(heldout(steps)) for steps in seeds.values()]
+        first, last = ([e[common[k]] for e in evals] for k in (0, -1)) if common else ([], [])
         own = minutes_to.get(system)
         lines.append(
             f"| {system} | {_spread(first, '.1%')} | {_spread(last, '.1%')} | {len(hits[system])}/{len(seeds)}"
@@ -216,7 +242,7 @@ def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
                 ax.plot(at, values, ls=":", marker="o", ms=3, color=line.get_color(), label=f"{system}, held-out")
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.0%}")
         ax.set_xlabel("wall-clock minutes from the first step" if by_time else "PPO step")
-        ax.set_ylabel(f"accuracy of sampled responses ({SMOOTHING}-step mean)")
+        ax.set_ylabel(f"accuracy: sampled responses ({SMOOTHING}-step mean); dotted: held-out, greedy")
         ax.set_ylim(0, 1)
         ax.legend(fontsize=8, loc="lower right")
         settings = results["settings"]

@@ -47,7 +47,9 @@ SUMMARY_END = "<!-- end of summary -->"
 
 
 def read_steps(tb_dir: str) -> list:
-    """One dict per logged step: its ``train/*`` scalars, and ``start``/``end`` wall times."""
+    """One dict per logged step: its ``train/*`` scalars, ``eval/*`` ones where it was followed by an
+    evaluation, and ``start``/``end`` wall times. A step ends with its training log; an evaluation's log time is
+    ``eval_end`` (upstream async logs the evaluation of one step after the training log of the next)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     by_step = {}
@@ -55,10 +57,11 @@ def read_steps(tb_dir: str) -> list:
         accumulator = EventAccumulator(events, size_guidance={"scalars": 0})
         accumulator.Reload()
         for tag in accumulator.Tags()["scalars"]:
+            end = "eval_end" if tag.startswith("eval/") else "end"
             for event in accumulator.Scalars(tag):
                 step = by_step.setdefault(event.step, {"step": event.step, "end": 0.0})
                 step[tag.removeprefix("train/")] = event.value
-                step["end"] = max(step["end"], event.wall_time)
+                step[end] = max(step.get(end, 0.0), event.wall_time)
     steps = [by_step[k] for k in sorted(by_step)]
     for previous, step in zip([None] + steps, steps):
         step["start"] = previous["end"] if previous else step["end"] - step.get("timing/step_total", 0.0)
@@ -174,11 +177,13 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _trained(step: dict) -> tuple:
-    """What a step trained, as far as the log tells: its sample count and mean response length. The benchmark's
-    requests have fixed lengths and every system sees the prompts in one order, so two steps with equal
-    figures trained the same samples."""
-    return step.get("rollout/num_samples"), round(step.get("rollout/response_length_mean", -1.0), 3)
+def _trained(step: dict):
+    """What a step trained, as far as the log tells: its sample count and mean response length (None where it
+    did not log them). The benchmark's requests have fixed lengths and every system sees the prompts in one
+    order, so two steps with equal figures trained the same samples."""
+    if "rollout/num_samples" not in step or "rollout/response_length_mean" not in step:
+        return None
+    return step["rollout/num_samples"], round(step["rollout/response_length_mean"], 3)
 
 
 def same_samples_table(results: dict) -> list:
@@ -197,7 +202,9 @@ def same_samples_table(results: dict) -> list:
         if not name.startswith("oppo"):
             continue
         for base in ("upstream-sync", "upstream-async"):
-            pairs = [(o, b) for o, b in zip(steps, measured.get(base, [])) if _trained(o) == _trained(b)]
+            pairs = [
+                (o, b) for o, b in zip(steps, measured.get(base, [])) if _trained(o) and _trained(o) == _trained(b)
+            ]
             if pairs:
                 oppo_s = statistics.mean(o["wall_s"] for o, _ in pairs)
                 base_s = statistics.mean(b["wall_s"] for _, b in pairs)
