@@ -291,18 +291,22 @@ FAKE_GROUPS = """
         return [{f"{ref}_loss": 1.0} for ref in refs]
 
     ray.get = get
+
+    def fake_trainer(enable_sleep, **hooks):
+        ds, critic = SimpleNamespace(enable_sleep=enable_sleep), SimpleNamespace(freezing_steps=-1)
+        return SimpleNamespace(
+            args=SimpleNamespace(ds=ds, critic=critic),
+            critic_model_group=Group("critic"),
+            actor_model_group=Group("actor"),
+            kl_ctl=SimpleNamespace(value=0.0),
+            **hooks,
+        )
 """
 
 CRITIC_FIRST = (
     FAKE_GROUPS
     + """
-    trainer = SimpleNamespace(
-        args=SimpleNamespace(ds=SimpleNamespace(enable_sleep=False), critic=SimpleNamespace(freezing_steps=-1)),
-        critic_model_group=Group("critic"),
-        actor_model_group=Group("actor"),
-        kl_ctl=SimpleNamespace(value=0.0),
-        on_critic_trained=lambda: log.append("on_critic_trained"),
-    )
+    trainer = fake_trainer(False, on_critic_trained=lambda: log.append("on_critic_trained"))
     status = BasePPOTrainer.ppo_train(trainer, 1)
     print(json.dumps([log, status]))
 """
@@ -320,12 +324,7 @@ def test_patched_ppo_train_awaits_the_critic_first_and_calls_the_hook(patched):
 SLEEP_MODE = (
     FAKE_GROUPS
     + """
-    trainer = SimpleNamespace(
-        args=SimpleNamespace(ds=SimpleNamespace(enable_sleep=True), critic=SimpleNamespace(freezing_steps=-1)),
-        critic_model_group=Group("critic"),
-        actor_model_group=Group("actor"),
-        kl_ctl=SimpleNamespace(value=0.0),
-    )
+    trainer = fake_trainer(True)
     hooked = hasattr(BasePPOTrainer, "ppo_train_sleeping")
     if hooked:  # the hook, logged where ppo_train calls it
 

@@ -143,8 +143,9 @@ def heldout_table(results: dict) -> list:
     last evaluation can fall after its run ends), and the first evaluation at or above the target (its step and
     minutes), means over the seeds (lowest-highest)."""
     target, runs = results["task"]["target"], runs_by_system(results)
-    evaluations = [dict(heldout(steps)) for seeds in runs.values() for steps in seeds.values()]
-    common = sorted(set.intersection(*(set(e) for e in evaluations)))
+    # Per system and seed: step index -> held-out accuracy.
+    evaluations = {system: [dict(heldout(steps)) for steps in seeds.values()] for system, seeds in runs.items()}
+    common = sorted(set.intersection(*(set(e) for per_seed in evaluations.values() for e in per_seed)))
     # The sums evaluated (OpenRLHF's --data.max_samples caps the eval set as well as the training set).
     evaluated = max(s.get("eval/eval_num_samples", 0) for seeds in runs.values() for r in seeds.values() for s in r)
     every = results["settings"].get("eval_every")
@@ -159,11 +160,15 @@ def heldout_table(results: dict) -> list:
         "|---|---|---|---|---|---|---|",
     ]
 
-    def first_hit(steps):
-        return next((i for i, value in heldout(steps) if value >= target), None)
+    def first_hit(evaluated):
+        return next((i for i, value in evaluated.items() if value >= target), None)
 
     hits = {
-        system: [(i, minutes(steps)[i]) for steps in seeds.values() if (i := first_hit(steps)) is not None]
+        system: [
+            (i, minutes(steps)[i])
+            for steps, evaluated in zip(seeds.values(), evaluations[system])
+            if (i := first_hit(evaluated)) is not None
+        ]
         for system, seeds in runs.items()
     }
     minutes_to = {
@@ -175,8 +180,7 @@ def heldout_table(results: dict) -> list:
     for system, seeds in runs.items():
         if not seeds:
             continue  # failed: the first table says so
-        evals = [dict(heldout(steps)) for steps in seeds.values()]
-        first, last = ([e[common[k]] for e in evals] for k in (0, -1)) if common else ([], [])
+        first, last = ([e[common[k]] for e in evaluations[system]] for k in (0, -1)) if common else ([], [])
         own = minutes_to.get(system)
         lines.append(
             f"| {system} | {_spread(first, '.1%')} | {_spread(last, '.1%')} | {len(hits[system])}/{len(seeds)}"
@@ -232,12 +236,8 @@ def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
             points = [heldout(steps) for steps in seeds.values()]
             count = min(len(p) for p in points)
             if count:  # the held-out accuracy, mean over the seeds, at each evaluation
-                at = [
-                    statistics.mean(
-                        minutes(steps)[p[k][0]] if by_time else p[k][0] + 1 for steps, p in zip(seeds.values(), points)
-                    )
-                    for k in range(count)
-                ]
+                where = [minutes(steps) if by_time else range(1, len(steps) + 1) for steps in seeds.values()]
+                at = [statistics.mean(w[p[k][0]] for w, p in zip(where, points)) for k in range(count)]
                 values = [statistics.mean(p[k][1] for p in points) for k in range(count)]
                 ax.plot(at, values, ls=":", marker="o", ms=3, color=line.get_color(), label=f"{system}, held-out")
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.0%}")

@@ -177,6 +177,12 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def measured_steps(results: dict, result: dict) -> list:
+    """A system's measured steps: those after the warm-up, as many as the run measured."""
+    warmup, count = results["settings"]["warmup"], results["settings"]["steps"]
+    return (result.get("steps") or [])[warmup : warmup + count]
+
+
 def _trained(step: dict):
     """What a step trained, as far as the log tells: its sample count and mean response length (None where it
     did not log them). The benchmark's requests have fixed lengths and every system sees the prompts in one
@@ -191,29 +197,20 @@ def same_samples_table(results: dict) -> list:
     samples, and the mean step of each over those steps. With a large Delta OPPO's first steps train the short
     responses and later ones the long, so the means over all measured steps compare different work; on these
     steps the work is equal."""
-    warmup, count = results["settings"]["warmup"], results["settings"]["steps"]
-    measured = {
-        name: (result.get("steps") or [])[warmup : warmup + count]
-        for name, result in results["systems"].items()
-        if result.get("summary")
-    }
+    measured = {name: measured_steps(results, r) for name, r in results["systems"].items() if r.get("summary")}
     rows = []
     for name, steps in measured.items():
         if not name.startswith("oppo"):
             continue
         for base in ("upstream-sync", "upstream-async"):
-            pairs = [
-                (o, b) for o, b in zip(steps, measured.get(base, [])) if _trained(o) and _trained(o) == _trained(b)
-            ]
+            pairs = [(o, b) for o, b in zip(steps, measured.get(base, [])) if (t := _trained(o)) and t == _trained(b)]
             if pairs:
                 oppo_s = statistics.mean(o["wall_s"] for o, _ in pairs)
                 base_s = statistics.mean(b["wall_s"] for _, b in pairs)
                 which = f"all {len(steps)}" if len(pairs) == len(steps) else f"{len(pairs)} of {len(steps)}"
                 if len(pairs) < len(steps):
                     which += " (" + ", ".join(str(o["step"]) for o, _ in pairs) + ")"
-                rows.append(
-                    f"| {name} | {base} | {which}" f" | {oppo_s:.2f} | {base_s:.2f} | {base_s / oppo_s:.2f}x |"
-                )
+                rows.append(f"| {name} | {base} | {which} | {oppo_s:.2f} | {base_s:.2f} | {base_s / oppo_s:.2f}x |")
     if not rows:
         return []
     return [
@@ -255,13 +252,12 @@ def cpu_table(results: dict) -> list:
     vLLM engine core), each model's own training time and each role's scoring time (its busiest rank's prefill
     calls): a host short of cores slows every process on it, training included, and the training phase is the
     longer of the two models' fits plus the calls."""
-    warmup, count = results["settings"]["warmup"], results["settings"]["steps"]
     keys = sorted({k for r in results["systems"].values() for k in cpu_keys(r)})
     header = ["system", "host cores busy, mean", "p90", *map(_cpu_label, keys)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, result in results["systems"].items():
         busy = sorted(cores for _, cores in result.get("cpu_samples") or [])
-        steps = (result.get("steps") or [])[warmup : warmup + count]
+        steps = measured_steps(results, result)
         per_key = [[s[key] for s in steps if key in s] for key in keys]
         cells = [
             name,
