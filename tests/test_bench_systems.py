@@ -141,3 +141,20 @@ def test_benchmark_takes_a_bimodal_workload_within_its_bounds(monkeypatch):
     monkeypatch.setattr(sys, "argv", argv + ["--long_fraction", "0.05"])
     params = length_params(parse())
     assert (params["short"], params["long"], params["long_fraction"], params["high"]) == (256, 6144, 0.05, 6144)
+
+
+def test_a_system_run_again_reads_its_own_steps_only(tmp_path):
+    """Two runs of one system in one scratch folder (two --tag variants) log to the same tensorboard folder;
+    the second run's steps must not take the first one's keys."""
+    from argparse import Namespace
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from openrlhf_oppo.bench.__main__ import run_system
+
+    with SummaryWriter(str(tmp_path / "tb" / "oppo-both" / "earlier")) as writer:
+        writer.add_scalar("train/oppo/state_moves_wait_s", 1.5, 1)
+    args = Namespace(scratch=str(tmp_path), warmup=0, steps=1, timeout=120)
+    result = run_system("oppo-both", ["--no.such_flag"], args)  # the second run stops at its parser
+    assert result["returncode"] != 0 and "no.such_flag" in result["log_tail"]
+    assert result["steps"] == [] and result["summary"] == {}

@@ -234,3 +234,20 @@ def test_cpu_table_from_host_samples_and_logged_cpu_time(tmp_path):
     rows = {line.split(" | ")[0][2:]: line for line in lines[header + 2 : header + 2 + len(run["systems"])]}
     assert rows["oppo-both"] == "| oppo-both | 4.5 | 8 | 0.75 | 0.5 | 2 | 4.25 |"
     assert rows["upstream-sync"] == "| upstream-sync | - | - | - | - | - | - |"
+
+
+def test_state_moves_wait_only_for_runs_that_overlap_the_moves(tmp_path):
+    """``oppo/state_moves_wait_s`` shows for a run with ``--oppo.state_moves overlap`` in its flags; in another
+    run it can only be an earlier run's key (one log folder for two tags of a system), and shows a dash."""
+    run = report.run_results(str(RESULTS / "split-2gpu-1.5b-lognormal-patched-top-up-at-step-end"))
+    for step in run["systems"]["oppo-both"]["steps"]:
+        step["oppo/state_moves_wait_s"] = 1.25
+    overlapped = json.loads(json.dumps(run["systems"]["oppo-both"]))
+    overlapped["flags"] += ["--oppo.state_moves", "overlap"]
+    run["systems"]["oppo-both-overlap"] = overlapped
+    report.write(run, str(tmp_path))
+    lines = (tmp_path / "table.md").read_text().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| system | host cores busy"))
+    assert lines[header].endswith("| wait on state moves (s) |")
+    rows = {line.split(" | ")[0][2:]: line for line in lines[header + 2 : header + 2 + len(run["systems"])]}
+    assert rows["oppo-both-overlap"].endswith("| 1.25 |") and rows["oppo-both"].endswith("| - |")

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -159,6 +160,10 @@ def run_system(system, flags, args) -> dict:
     command = [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray"] + flags
     log_path = os.path.join(args.scratch, f"{system}.log")
     wanted = args.warmup + args.steps + 1
+    # A system run again in the same scratch (under another --tag) logs and traces into the same folders: empty
+    # them, or its steps would take the keys and files that only the run before it wrote.
+    for folder in ("tb", "trace"):
+        shutil.rmtree(os.path.join(args.scratch, folder, system), ignore_errors=True)
     started, logged = time.time(), 0
     with GPUMonitor() as monitor, open(log_path, "w") as log:
         process = subprocess.Popen(

@@ -246,6 +246,16 @@ def _cpu_label(key: str) -> str:
     return f"{key.removeprefix('oppo/').removesuffix('_fit_s')} fit (s)"
 
 
+def _logged_by(result: dict, key: str) -> bool:
+    """Whether the run's own flags log ``key``. A system run twice in one scratch folder under two tags shared
+    one log folder before the harness emptied it first: the second run's steps then hold the keys that only the
+    first logged (``oppo/state_moves_wait_s``, in the colocated runs with and without ``--oppo.state_moves``)."""
+    if key != "oppo/state_moves_wait_s":
+        return True
+    flags = result.get("flags") or []
+    return any(flag == "--oppo.state_moves" and value == "overlap" for flag, value in zip(flags, flags[1:]))
+
+
 def cpu_table(results: dict) -> list:
     """Per system, how many of the host's cores were busy over the measured steps (the harness's samples), and
     for OPPO systems the CPU seconds each actor used a step (its busiest rank; the rollout actor's include its
@@ -258,7 +268,7 @@ def cpu_table(results: dict) -> list:
     for name, result in results["systems"].items():
         busy = sorted(cores for _, cores in result.get("cpu_samples") or [])
         steps = measured_steps(results, result)
-        per_key = [[s[key] for s in steps if key in s] for key in keys]
+        per_key = [[s[key] for s in steps if key in s and _logged_by(result, key)] for key in keys]
         cells = [
             name,
             _fmt(statistics.mean(busy) if busy else None),
