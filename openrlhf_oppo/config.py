@@ -143,11 +143,24 @@ OPTIONS = {
             help="When the sampler tops the groups in flight up to batch_size + Delta. 'step_start': new prompts "
             "start with the newest weights. 'step_end': they start before training, so that the vLLM GPUs decode "
             "through training and the weight sync, as in upstream's async mode (their tokens before the update "
-            "come from the previous policy); needs vLLM apart from the models (not --train.colocate_all). "
+            "come from the previous policy); needs vLLM apart from the models (not --train.colocate_all), or "
+            "--oppo.colocated_decode continue. "
             "Their chunks are scored only once training frees the models' GPUs. Logged as "
             "oppo/topped_up_at_step_end.",
         ),
         "step_start",
+    ),
+    "colocated_decode": (
+        dict(
+            choices=["pause", "continue"],
+            help="What carried requests do while the models train on the engines' own GPUs (--train.colocate_all "
+            "with vLLM awake: no --vllm.enable_sleep). 'pause': they wait until the weight sync, as the GPU is "
+            "the models' then. 'continue': they keep decoding beside training, and with --oppo.top_up step_end the "
+            "next step's prompts start there too, so that the next step finds more groups done "
+            "(oppo/groups_done_at_start) at the cost of sharing the GPU with training. The engines keep their "
+            "memory through training: leave the models room with --vllm.gpu_memory_utilization.",
+        ),
+        "pause",
     ),
     "policy_logprobs": (
         dict(
@@ -434,11 +447,24 @@ def _check_oppo(args) -> None:
             "--oppo.carry_kv keep needs the KV cache to survive between steps, but --vllm.enable_sleep drops it: "
             "use --oppo.carry_kv recompute (carried requests are re-prefilled on wake) or drop --vllm.enable_sleep."
         )
-    if oppo.top_up == "step_end" and (args.train.colocate_all or oppo.overcommit == 0):
+    if oppo.colocated_decode == "continue" and not args.train.colocate_all:
+        raise OPPOConfigError(
+            "--oppo.colocated_decode continue lets the engines decode while the models train on the same GPUs, but "
+            "without --train.colocate_all they have GPUs of their own and decode through training anyway: drop it."
+        )
+    if oppo.colocated_decode == "continue" and args.vllm.enable_sleep:
+        raise OPPOConfigError(
+            "--oppo.colocated_decode continue lets the engines decode while the models train, but --vllm.enable_sleep "
+            "puts them to sleep then: drop --vllm.enable_sleep (the engines then keep their GPU memory through "
+            "training; leave the models room with --vllm.gpu_memory_utilization) or the option."
+        )
+    pausing = args.train.colocate_all and oppo.colocated_decode == "pause"
+    if oppo.top_up == "step_end" and (pausing or oppo.overcommit == 0):
         raise OPPOConfigError(
             "--oppo.top_up step_end starts the next step's prompts during training, so it needs inter-step overlap "
-            "(--oppo.overcommit > 0 or auto) and vLLM engines on GPUs of their own (not --train.colocate_all, where "
-            "they wait or sleep through training): use --oppo.top_up step_start there."
+            "(--oppo.overcommit > 0 or auto) and vLLM engines that decode through training: on GPUs of their own, "
+            "or with --oppo.colocated_decode continue under --train.colocate_all (where they otherwise wait or "
+            "sleep through training). Use --oppo.top_up step_start there."
         )
     if oppo.critic_catch_up == "after_fit" and (args.train.colocate_all or args.ds.enable_sleep):
         raise OPPOConfigError(
@@ -608,7 +634,7 @@ def _check_overcommit_plan(args, given) -> None:
     if not oppo.inter_step:
         unused = auto_only + [
             name
-            for name in ("max_defer_steps", "carry_kv", "top_up", "weight_sync", "critic_catch_up")
+            for name in ("max_defer_steps", "carry_kv", "top_up", "weight_sync", "critic_catch_up", "colocated_decode")
             if name in given
         ]
         if unused:
@@ -674,6 +700,7 @@ def describe(args) -> str:
             f"overcommit {oppo.overcommit} (start {oppo.overcommit_initial}), carry_kv {oppo.carry_kv}, "
             f"top-up at {oppo.top_up.replace('_', ' ')}"
             + (", the critic's catch-up after its fit" if oppo.critic_catch_up == "after_fit" else "")
+            + (", decoding beside training" if oppo.colocated_decode == "continue" else "")
         )
     if oppo.policy_logprobs == "vllm" and "policy" in oppo.streamed_roles:
         parts.append("the policy's log-probs from vLLM")

@@ -114,7 +114,10 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             **kwargs,
             controller=controller,
             max_defer_steps=oppo.max_defer_steps,
-            pause_between_steps=args.train.colocate_all and not args.vllm.enable_sleep,
+            # Engines on the models' GPUs wait through training, unless --oppo.colocated_decode continue.
+            pause_between_steps=args.train.colocate_all
+            and not args.vllm.enable_sleep
+            and oppo.colocated_decode == "pause",
             top_up_at_step_end=oppo.top_up == "step_end",
         )
 

@@ -8,7 +8,7 @@ from openrlhf.utils import deepspeed
 
 from openrlhf_oppo.bench import addition, learning
 from openrlhf_oppo.bench.learning import LEARNING_SYSTEMS
-from openrlhf_oppo.bench.systems import SPLIT_ONLY, SYSTEMS, common_flags, system_flags
+from openrlhf_oppo.bench.systems import COLOCATED_ONLY, SPLIT_ONLY, SYSTEMS, common_flags, system_flags
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
 
@@ -17,6 +17,10 @@ from openrlhf_oppo.cli.train_ppo_ray import parse_args
 def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatch):
     if system in SPLIT_ONLY and placement == "colocated":
         with pytest.raises(ValueError, match="GPUs of its own"):
+            system_flags(system, placement, 16)
+        return
+    if system in COLOCATED_ONLY and placement == "split":
+        with pytest.raises(ValueError, match="use --placement colocated"):
             system_flags(system, placement, 16)
         return
     # --bench.seed_prompt_order swaps the strategy class; undo that after the test.
@@ -30,7 +34,9 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
     assert args.oppo.colocate_models == (placement == "split" and system != "upstream-async")
     if system.startswith("oppo"):
         assert args.oppo.inter_step == (system != "oppo-intra")
-        assert args.oppo.top_up == ("step_end" if system == "oppo-both-early" else "step_start")
+        assert args.oppo.top_up == ("step_end" if system in ("oppo-both-early", "oppo-both-awake") else "step_start")
+        assert args.vllm.enable_sleep == (placement == "colocated" and system != "oppo-both-awake")
+        assert args.oppo.colocated_decode == ("continue" if system == "oppo-both-awake" else "pause")
         assert bool(args.oppo.streamed_roles) == (system != "oppo-inter")
         # The frozen models go beside vLLM wherever they stream in the split placement.
         beside_vllm = placement == "split" and system not in ("oppo-inter", "oppo-both-frozen-with-models")
@@ -143,15 +149,18 @@ def test_benchmark_takes_a_bimodal_workload_within_its_bounds(monkeypatch):
     assert (params["short"], params["long"], params["long_fraction"], params["high"]) == (256, 6144, 0.05, 6144)
 
 
-def test_a_system_run_again_reads_its_own_steps_only(tmp_path):
+def test_a_system_run_again_reads_its_own_steps_only(tmp_path, monkeypatch):
     """Two runs of one system in one scratch folder (two --tag variants) log to the same tensorboard folder;
     the second run's steps must not take the first one's keys."""
     from argparse import Namespace
 
     from torch.utils.tensorboard import SummaryWriter
 
-    from openrlhf_oppo.bench.__main__ import run_system
+    from openrlhf_oppo.bench import __main__ as harness
 
+    # The run stops at its parser and starts no Ray; the harness's `ray stop` would end this session's cluster.
+    monkeypatch.setattr(harness, "_stop", lambda process: process.wait())
+    run_system = harness.run_system
     with SummaryWriter(str(tmp_path / "tb" / "oppo-both" / "earlier")) as writer:
         writer.add_scalar("train/oppo/state_moves_wait_s", 1.5, 1)
     args = Namespace(scratch=str(tmp_path), warmup=0, steps=1, timeout=120)

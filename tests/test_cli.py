@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
-from openrlhf_oppo.config import OPPOConfigError
+from openrlhf_oppo.config import OPPOConfigError, describe
 
 BASE = [
     "--actor.model_name_or_path", "m",
@@ -115,7 +115,16 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--ds.lora.rank", "8"], "--ds.lora.rank"),
         (["--oppo.enable", "--train.colocate_all", "--vllm.enable_sleep", "--oppo.carry_kv", "keep"], "carry_kv"),
         (["--oppo.enable", "--oppo.overcommit_min", "5", "--oppo.overcommit_max", "2"], "overcommit_min"),
-        (["--oppo.enable", "--train.colocate_all", "--oppo.top_up", "step_end"], "not --train.colocate_all"),
+        (["--oppo.enable", "--train.colocate_all", "--oppo.top_up", "step_end"], "or with --oppo.colocated_decode"),
+        (["--oppo.enable", "--oppo.colocated_decode", "continue"], "decode through training anyway: drop it"),
+        (
+            ["--oppo.enable", "--train.colocate_all", "--vllm.enable_sleep", "--oppo.colocated_decode", "continue"],
+            "drop --vllm.enable_sleep",
+        ),
+        (
+            ["--oppo.enable", "--train.colocate_all", "--oppo.overcommit", "0", "--oppo.colocated_decode", "continue"],
+            "--oppo.overcommit 0 turns off",
+        ),
         (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.top_up", "step_end"], "needs inter-step overlap"),
         (["--oppo.enable", "--train.colocate_all", "--oppo.critic_catch_up", "after_fit"], "not --train.colocate_all"),
         (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.critic_catch_up", "after_fit"], "overcommit 0 turns off"),
@@ -158,6 +167,17 @@ def test_help_quotes_no_benchmark_results(help_text):
 def test_bad_combinations_are_refused_with_what_to_do(extra, message):
     with pytest.raises(OPPOConfigError, match=message.replace(".", r"\.")):
         parse_args(BASE + extra)
+
+
+def test_colocated_engines_can_decode_through_training():
+    """--oppo.colocated_decode continue under --train.colocate_all with vLLM awake: the engines keep decoding
+    while the models train, so the next step's prompts may start at the step's end too."""
+    args = parse_args(
+        BASE + ["--oppo.enable", "--train.colocate_all", "--oppo.colocated_decode", "continue"]
+        + ["--oppo.top_up", "step_end", "--oppo.overcommit", "4"]
+    )  # fmt: skip
+    assert args.oppo.colocated_decode == "continue" and args.oppo.top_up == "step_end"
+    assert "decoding beside training" in describe(args)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,11 @@
 #   PATCHED=1 STEPS=5 DELTA=32 SYSTEMS=oppo-both OUT_DIR=runs/1gpu-overlap \
 #     bash examples/scripts/bench_1gpu_colocated.sh --tag=-delta32-state-moves-overlap \
 #     --oppo_extra=--oppo.state_moves --oppo_extra=overlap
+# OPPO with vLLM awake through training, its requests decoding beside the models' training. vLLM keeps its
+# memory then: a smaller share (enough KV for the batch) leaves training the room it has with vLLM asleep.
+#   PATCHED=1 STEPS=5 DELTA=32 SYSTEMS=oppo-both-awake OUT_DIR=runs/1gpu-awake \
+#     bash examples/scripts/bench_1gpu_colocated.sh --tag=-delta32-vllm-0.25 \
+#     --oppo_extra=--vllm.gpu_memory_utilization --oppo_extra=0.25
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -14,8 +14,10 @@ In the split placement the OPPO systems put the reward and reference models on t
 the upstream systems do. ``oppo-both-early`` is ``oppo-both`` with ``--oppo.top_up step_end``: the next step's
 prompts start decoding during training (split placement only). ``oppo-both-keep`` is ``oppo-both`` with
 ``--oppo.carry_kv keep``: carried requests keep the KV cache computed with the previous weights (split placement
-only: the colocated engines sleep, which drops it). Every system gets the same vLLM memory share, small enough
-for the frozen models to fit beside the engines.
+only: the colocated engines sleep, which drops it). ``oppo-both-awake`` (colocated placement only) keeps vLLM
+awake through training (no ``--vllm.enable_sleep``), its carried requests and the next step's prompts decoding
+beside the models' training (``--oppo.colocated_decode continue --oppo.top_up step_end``). Every system gets the
+same vLLM memory share, small enough for the frozen models to fit beside the engines.
 """
 
 SYSTEMS = (
@@ -27,8 +29,10 @@ SYSTEMS = (
     "oppo-both-early",
     "oppo-both-frozen-with-models",
     "oppo-both-keep",
+    "oppo-both-awake",
 )
 SPLIT_ONLY = ("upstream-async", "oppo-both-early", "oppo-both-frozen-with-models", "oppo-both-keep")
+COLOCATED_ONLY = ("oppo-both-awake",)
 
 
 def system_flags(system: str, placement: str, overcommit: int) -> list:
@@ -37,10 +41,14 @@ def system_flags(system: str, placement: str, overcommit: int) -> list:
     colocated = placement == "colocated"
     if colocated and system in SPLIT_ONLY:
         raise ValueError(f"{system} needs GPUs of its own for vLLM: use --placement split")
+    if not colocated and system in COLOCATED_ONLY:
+        raise ValueError(f"{system} decodes beside training on the models' GPUs: use --placement colocated")
     if system == "upstream-async":
         return ["--train.async_enable", "--train.partial_rollout_enable", "--train.colocate_all"]
 
     flags = ["--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep"] if colocated else []
+    if system == "oppo-both-awake":
+        flags.remove("--vllm.enable_sleep")
     if system == "upstream-sync":
         return flags + ([] if colocated else ["--oppo.colocate_models"])
     flags += ["--oppo.enable"] + ([] if colocated else ["--oppo.colocate_models"])
@@ -55,6 +63,8 @@ def system_flags(system: str, placement: str, overcommit: int) -> list:
         flags += ["--oppo.frozen_scorers_on", "models"]
     if system == "oppo-both-keep":
         flags += ["--oppo.carry_kv", "keep"]
+    if system == "oppo-both-awake":
+        flags += ["--oppo.colocated_decode", "continue", "--oppo.top_up", "step_end"]
     return flags
 
 

@@ -312,7 +312,7 @@ class CPUPipeline:
             **kwargs,
             controller=controller,
             max_defer_steps=overcommit.get("max_defer_steps", 2),
-            pause_between_steps=False,
+            pause_between_steps=overcommit.get("pause_between_steps", False),
             top_up_at_step_end=overcommit.get("top_up_at_step_end", False),
         )
 
