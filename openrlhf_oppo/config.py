@@ -142,7 +142,7 @@ OPTIONS = {
             choices=["step_start", "step_end"],
             help="When the sampler tops the groups in flight up to batch_size + Delta. 'step_start': new prompts "
             "start with the newest weights. 'step_end': they start before training, so that the vLLM GPUs decode "
-            "through training and the weight sync, as in upstream's async mode (their tokens before the update "
+            "through training (and the weight sync, where it is staged), as in upstream's async mode (their tokens before the update "
             "come from the previous policy); needs vLLM apart from the models (not --train.colocate_all), or "
             "--oppo.colocated_decode continue. "
             "Their chunks are scored only once training frees the models' GPUs. Logged as "
@@ -353,7 +353,7 @@ def validate(args) -> None:
 
     _check_placement(args)
     if oppo.enable:
-        _check_oppo(args)
+        _check_oppo(args, given)
         _resolve_plan(args)
         _check_streaming_plan(args, given)
         _check_overcommit_plan(args, given)
@@ -420,7 +420,7 @@ def _check_frozen_beside_vllm(args) -> None:
         )
 
 
-def _check_oppo(args) -> None:
+def _check_oppo(args, given) -> None:
     oppo = args.oppo
     if not args.vllm.num_engines:
         raise OPPOConfigError("OPPO overlaps vLLM generation with the other stages: set --vllm.num_engines >= 1.")
@@ -447,15 +447,15 @@ def _check_oppo(args) -> None:
             "--oppo.carry_kv keep needs the KV cache to survive between steps, but --vllm.enable_sleep drops it: "
             "use --oppo.carry_kv recompute (carried requests are re-prefilled on wake) or drop --vllm.enable_sleep."
         )
-    if oppo.colocated_decode == "continue" and not args.train.colocate_all:
+    if "colocated_decode" in given and not args.train.colocate_all:
         raise OPPOConfigError(
-            "--oppo.colocated_decode continue lets the engines decode while the models train on the same GPUs, but "
-            "without --train.colocate_all they have GPUs of their own and decode through training anyway: drop it."
+            "--oppo.colocated_decode sets what the engines do while the models train on the same GPUs, but without "
+            "--train.colocate_all they have GPUs of their own and decode through training anyway: drop it."
         )
-    if oppo.colocated_decode == "continue" and args.vllm.enable_sleep:
+    if "colocated_decode" in given and args.vllm.enable_sleep:
         raise OPPOConfigError(
-            "--oppo.colocated_decode continue lets the engines decode while the models train, but --vllm.enable_sleep "
-            "puts them to sleep then: drop --vllm.enable_sleep (the engines then keep their GPU memory through "
+            "--oppo.colocated_decode sets what the engines do while the models train, but --vllm.enable_sleep puts "
+            "them to sleep then: drop --vllm.enable_sleep (the engines then keep their GPU memory through "
             "training; leave the models room with --vllm.gpu_memory_utilization) or the option."
         )
     pausing = args.train.colocate_all and oppo.colocated_decode == "pause"
@@ -463,8 +463,8 @@ def _check_oppo(args) -> None:
         raise OPPOConfigError(
             "--oppo.top_up step_end starts the next step's prompts during training, so it needs inter-step overlap "
             "(--oppo.overcommit > 0 or auto) and vLLM engines that decode through training: on GPUs of their own, "
-            "or with --oppo.colocated_decode continue under --train.colocate_all (where they otherwise wait or "
-            "sleep through training). Use --oppo.top_up step_start there."
+            "or under --train.colocate_all awake (no --vllm.enable_sleep) with --oppo.colocated_decode continue "
+            "(otherwise they wait or sleep through training). Use --oppo.top_up step_start there."
         )
     if oppo.critic_catch_up == "after_fit" and (args.train.colocate_all or args.ds.enable_sleep):
         raise OPPOConfigError(
@@ -683,6 +683,13 @@ def _check_overcommit_plan(args, given) -> None:
                 f"there are prompts (--data.max_samples {args.data.max_samples}): use at most "
                 f"{max(args.data.max_samples - batch, 0)}."
             )
+
+
+def pauses_carried_requests_in_training(args) -> bool:
+    """Whether the engines pause their carried requests while the models train: where they share the models'
+    GPUs awake (``--train.colocate_all``, no ``--vllm.enable_sleep``), unless ``--oppo.colocated_decode
+    continue``. Asleep they decode nothing anyway; on GPUs of their own they always decode."""
+    return args.train.colocate_all and not args.vllm.enable_sleep and args.oppo.colocated_decode == "pause"
 
 
 def describe(args) -> str:

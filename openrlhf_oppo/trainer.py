@@ -14,7 +14,7 @@ import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 from openrlhf.utils.logging_utils import init_logger
 
-from openrlhf_oppo.config import describe
+from openrlhf_oppo.config import describe, pauses_carried_requests_in_training
 from openrlhf_oppo.coordinator import StreamCoordinator, phase
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
@@ -114,10 +114,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             **kwargs,
             controller=controller,
             max_defer_steps=oppo.max_defer_steps,
-            # Engines on the models' GPUs wait through training, unless --oppo.colocated_decode continue.
-            pause_between_steps=args.train.colocate_all
-            and not args.vllm.enable_sleep
-            and oppo.colocated_decode == "pause",
+            pause_between_steps=pauses_carried_requests_in_training(args),
             top_up_at_step_end=oppo.top_up == "step_end",
         )
 

@@ -158,8 +158,8 @@ def test_a_system_run_again_reads_its_own_steps_only(tmp_path, monkeypatch):
 
     from openrlhf_oppo.bench import __main__ as harness
 
-    # The run stops at its parser and starts no Ray; the harness's `ray stop` would end this session's cluster.
-    monkeypatch.setattr(harness, "_stop", lambda process: process.wait())
+    # The run stops at its parser and starts no Ray; the harness's `ray stop` would end the tests' Ray cluster.
+    monkeypatch.setattr(harness, "_stop", lambda process: process.wait(timeout=120))
     run_system = harness.run_system
     with SummaryWriter(str(tmp_path / "tb" / "oppo-both" / "earlier")) as writer:
         writer.add_scalar("train/oppo/state_moves_wait_s", 1.5, 1)
@@ -167,3 +167,31 @@ def test_a_system_run_again_reads_its_own_steps_only(tmp_path, monkeypatch):
     result = run_system("oppo-both", ["--no.such_flag"], args)  # the second run stops at its parser
     assert result["returncode"] != 0 and "no.such_flag" in result["log_tail"]
     assert result["steps"] == [] and result["summary"] == {}
+
+
+@pytest.mark.parametrize(
+    "placement, systems, message",
+    [
+        ("colocated", "upstream-sync,upstream-async", "upstream-async needs GPUs of its own"),
+        ("split", "oppo-both-awake", "use --placement colocated"),
+    ],
+)
+def test_benchmark_refuses_a_system_its_placement_cannot_run_before_any_runs(
+    placement, systems, message, monkeypatch, capsys
+):
+    from openrlhf_oppo.bench.__main__ import parse
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", "x", "--placement", placement, "--systems", systems])
+    with pytest.raises(SystemExit) as exit_info:
+        parse()
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+def test_benchmark_runs_by_default_every_system_its_placement_can(placement, monkeypatch):
+    from openrlhf_oppo.bench.__main__ import parse
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", "x", "--placement", placement])
+    systems = parse().systems.split(",")
+    other_only = SPLIT_ONLY if placement == "colocated" else COLOCATED_ONLY
+    assert systems == [s for s in SYSTEMS if s not in other_only] and "oppo-both" in systems

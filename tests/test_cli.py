@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
-from openrlhf_oppo.config import OPPOConfigError, describe
+from openrlhf_oppo.config import OPPOConfigError, describe, pauses_carried_requests_in_training
 
 BASE = [
     "--actor.model_name_or_path", "m",
@@ -115,8 +115,12 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--ds.lora.rank", "8"], "--ds.lora.rank"),
         (["--oppo.enable", "--train.colocate_all", "--vllm.enable_sleep", "--oppo.carry_kv", "keep"], "carry_kv"),
         (["--oppo.enable", "--oppo.overcommit_min", "5", "--oppo.overcommit_max", "2"], "overcommit_min"),
-        (["--oppo.enable", "--train.colocate_all", "--oppo.top_up", "step_end"], "or with --oppo.colocated_decode"),
+        (
+            ["--oppo.enable", "--train.colocate_all", "--oppo.top_up", "step_end"],
+            "with --oppo.colocated_decode continue",
+        ),
         (["--oppo.enable", "--oppo.colocated_decode", "continue"], "decode through training anyway: drop it"),
+        (["--oppo.enable", "--oppo.colocated_decode", "pause"], "decode through training anyway: drop it"),
         (
             ["--oppo.enable", "--train.colocate_all", "--vllm.enable_sleep", "--oppo.colocated_decode", "continue"],
             "drop --vllm.enable_sleep",
@@ -169,15 +173,23 @@ def test_bad_combinations_are_refused_with_what_to_do(extra, message):
         parse_args(BASE + extra)
 
 
-def test_colocated_engines_can_decode_through_training():
-    """--oppo.colocated_decode continue under --train.colocate_all with vLLM awake: the engines keep decoding
-    while the models train, so the next step's prompts may start at the step's end too."""
-    args = parse_args(
-        BASE + ["--oppo.enable", "--train.colocate_all", "--oppo.colocated_decode", "continue"]
-        + ["--oppo.top_up", "step_end", "--oppo.overcommit", "4"]
-    )  # fmt: skip
-    assert args.oppo.colocated_decode == "continue" and args.oppo.top_up == "step_end"
-    assert "decoding beside training" in describe(args)
+@pytest.mark.parametrize(
+    "flags, pauses",
+    [
+        ([], False),  # the engines have GPUs of their own
+        (["--train.colocate_all", "--vllm.enable_sleep"], False),  # asleep through training
+        (["--train.colocate_all"], True),
+        (["--train.colocate_all", "--oppo.colocated_decode", "pause"], True),
+        (["--train.colocate_all", "--oppo.colocated_decode", "continue", "--oppo.top_up", "step_end"], False),
+    ],
+)
+def test_colocated_engines_pause_carried_requests_in_training_unless_they_continue(flags, pauses):
+    """Where the awake engines share the models' GPUs, the trainer has them pause their carried requests while the
+    models train (``pause_between_steps``), unless --oppo.colocated_decode continue, under which the next step's
+    prompts may start at the step's end too."""
+    args = parse_args(BASE + ["--oppo.enable", "--oppo.overcommit", "4"] + flags)
+    assert pauses_carried_requests_in_training(args) == pauses
+    assert ("decoding beside training" in describe(args)) == ("continue" in flags)
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.engine
 
 # Long tail: most responses short, a few long ones that should be carried over.
 LONG_TAIL = [4, 6, 3, 5, 7, 120, 4, 6, 5, 3, 150, 6, 4, 5, 7, 3, 130, 6, 4, 5]
-TRAINING_S = 10  # a training phase: long enough for the engine to decode a long response (under 1 s here)
+PAUSED_S = 5  # long enough for the engine to decode a long response several times over
 
 
 def run_epochs(pipeline, path, epochs, batch, delta, max_defer_steps=2, state=None, steps=None, top_up_at_end=False):
@@ -99,8 +99,9 @@ def test_steps_end_at_b_groups_and_carried_groups_finish_complete(pipeline, work
 def test_carried_requests_decode_through_training_only_where_the_engines_may(pipeline, workload, colocated_decode):
     """Engines on the models' GPUs (--train.colocate_all, vLLM awake) pause the carried requests while the models
     train; with --oppo.colocated_decode continue they keep decoding, and the next step finds them done."""
-    # B + Delta = 7 prompts, all of them: the step ends with the 4 short ones done and the 3 long ones in flight.
-    lengths = [4, 5, 6, 7, 150, 140, 130]
+    # B + Delta = 7 prompts, all of them: the step ends with the 4 short ones done and the 3 long ones in flight
+    # (close to the engine's 256 tokens with the prompt, so that they are far from done when the step ends).
+    lengths = [4, 5, 6, 7, 200, 190, 180]
     loader = prompt_dataloader(workload(lengths, seed=24), pipeline.args, pipeline.tokenizer)
     pause = colocated_decode == "pause"
     generator = pipeline.samples_generator(loader, "overcommit", delta=3, pause_between_steps=pause)
@@ -109,11 +110,16 @@ def test_carried_requests_decode_through_training_only_where_the_engines_may(pip
         samples, *_ = generator.generate_samples(**pipeline.generate_kwargs())
         trained = Counter(groups_of(samples).keys())
         assert generator.metrics["oppo/carried_in_flight"] == 3
-        # The models' training: the carried responses finish within it unless paused.
+        if pause:
+            time.sleep(0.5)  # the results of requests that ended before the pause arrive
+        done_at_step_end = generator._done_now()
+        assert done_at_step_end < 3
+        # The models' training: paused, nothing more finishes in a few seconds (the engine decodes a long response
+        # in under one); not paused, every carried response finishes.
         started = time.time()
-        while time.time() - started < TRAINING_S and generator._done_now() < len(generator.groups):
+        while time.time() - started < (PAUSED_S if pause else 120) and generator._done_now() < 3:
             time.sleep(0.1)
-        assert (generator._done_now() == len(generator.groups)) != pause
+        assert generator._done_now() == (done_at_step_end if pause else 3)
         while True:  # the rest of the epoch, each step after a weight sync: every prompt still trained once
             pipeline.coordinator.resume(weight_version=0)  # what the weight sync does after the paused training
             samples, _, _, exhausted = generator.generate_samples(**pipeline.generate_kwargs())

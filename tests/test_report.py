@@ -245,9 +245,12 @@ def test_state_moves_wait_only_for_runs_that_overlap_the_moves(tmp_path):
     overlapped = json.loads(json.dumps(run["systems"]["oppo-both"]))
     overlapped["flags"] += ["--oppo.state_moves", "overlap"]
     run["systems"]["oppo-both-overlap"] = overlapped
+    run["systems"]["oppo-both-overlap-one-word"] = dict(overlapped, flags=overlapped["flags"][:-2])
+    run["systems"]["oppo-both-overlap-one-word"]["flags"].append("--oppo.state_moves=overlap")
     report.write(run, str(tmp_path))
     lines = (tmp_path / "table.md").read_text().splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| system | host cores busy"))
     assert lines[header].endswith("| wait on state moves (s) |")
     rows = {line.split(" | ")[0][2:]: line for line in lines[header + 2 : header + 2 + len(run["systems"])]}
     assert rows["oppo-both-overlap"].endswith("| 1.25 |") and rows["oppo-both"].endswith("| - |")
+    assert rows["oppo-both-overlap-one-word"].endswith("| 1.25 |")

@@ -32,13 +32,17 @@ from tqdm import tqdm
 from openrlhf_oppo.bench import learning, report
 from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus
 from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
-from openrlhf_oppo.bench.systems import SYSTEMS, common_flags, system_flags
+from openrlhf_oppo.bench.systems import COLOCATED_ONLY, SPLIT_ONLY, SYSTEMS, common_flags, system_flags
 from openrlhf_oppo.bench.workload import add_workload_arguments, build, check_workload_arguments, length_params
 
 
 def parse():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    parser.add_argument(
+        "--systems",
+        default=None,
+        help=f"comma-separated, from {', '.join(SYSTEMS)} (default: every one the placement can run)",
+    )
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--placement", choices=["split", "colocated"], default="colocated")
     parser.add_argument("--shape", default="qwen2.5-1.5b")
@@ -75,6 +79,13 @@ def parse():
     parser.add_argument("--scratch", default=None, help="logs, tensorboard, traces, checkpoints (default OUT)")
     args = parser.parse_args()
     check_workload_arguments(parser, args)
+    other_placement_only = SPLIT_ONLY if args.placement == "colocated" else COLOCATED_ONLY
+    args.systems = args.systems or ",".join(s for s in SYSTEMS if s not in other_placement_only)
+    for system in args.systems.split(","):
+        try:  # before any system runs, not after the ones before it
+            system_flags(system, args.placement, 1)
+        except ValueError as error:
+            parser.error(str(error))
     return args
 
 

@@ -252,7 +252,7 @@ def _logged_by(result: dict, key: str) -> bool:
     first logged (``oppo/state_moves_wait_s``, in the colocated runs with and without ``--oppo.state_moves``)."""
     if key != "oppo/state_moves_wait_s":
         return True
-    flags = result.get("flags") or []
+    flags = " ".join(result.get("flags") or []).replace("=", " ").split()
     return any(flag == "--oppo.state_moves" and value == "overlap" for flag, value in zip(flags, flags[1:]))
 
 

@@ -17,7 +17,8 @@ prompts start decoding during training (split placement only). ``oppo-both-keep`
 only: the colocated engines sleep, which drops it). ``oppo-both-awake`` (colocated placement only) keeps vLLM
 awake through training (no ``--vllm.enable_sleep``), its carried requests and the next step's prompts decoding
 beside the models' training (``--oppo.colocated_decode continue --oppo.top_up step_end``). Every system gets the
-same vLLM memory share, small enough for the frozen models to fit beside the engines.
+same vLLM memory share, small enough for the frozen models to fit beside the engines (``oppo-both-awake`` may
+need a smaller one, through ``--oppo_extra``, to leave training its room).
 """
 
 SYSTEMS = (
