@@ -142,11 +142,10 @@ OPTIONS = {
             choices=["step_start", "step_end"],
             help="When the sampler tops the groups in flight up to batch_size + Delta. 'step_start': new prompts "
             "start with the newest weights. 'step_end': they start before training, so that the vLLM GPUs decode "
-            "through training (and the weight sync, where it is staged), as in upstream's async mode (their tokens before the update "
-            "come from the previous policy); needs vLLM apart from the models (not --train.colocate_all), or "
-            "--oppo.colocated_decode continue. "
-            "Their chunks are scored only once training frees the models' GPUs. Logged as "
-            "oppo/topped_up_at_step_end.",
+            "through training (and the weight sync, where it is staged), as in upstream's async mode (their "
+            "tokens before the update come from the previous policy); needs vLLM apart from the models (not "
+            "--train.colocate_all), or --oppo.colocated_decode continue. Their chunks are scored only once "
+            "training frees the models' GPUs. Logged as oppo/topped_up_at_step_end.",
         ),
         "step_start",
     ),

@@ -22,7 +22,6 @@ that drives OpenRLHF's trainer in-process on CPU stand-ins.
 import argparse
 import json
 import os
-import shutil
 
 from tqdm import tqdm
 
@@ -121,7 +120,6 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
     for seed in seeds:  # seed by seed, so that a run cut short has every system of its first seeds
         for system in tqdm(systems, desc=f"seed {seed}"):
             name = f"{system}-seed{seed}"
-            shutil.rmtree(os.path.join(args.scratch, "tb", name), ignore_errors=True)  # a rerun's steps only
             result = runner(name, run_flags(workdir, args.scratch, name, system, seed, args), args)
             results["systems"][name] = dict(result, system=system, seed=seed, warmup_accuracy=warm["accuracy"])
             with open(path, "w") as f:
