@@ -6,7 +6,9 @@ optimizer, the reward and reference models for inference), builds its scoring ac
 its own sequences in chunks of its own size, so the two ranks run different numbers of forwards: a forward
 that all-gathered parameters would leave the other rank waiting. The scores must equal upstream's ZeRO-3
 forward over the full sequences (float32, 1e-5), before and after a training step of the policy and the
-critic taken halfway through the streams.
+critic taken halfway through the streams. The policy and the critic stream on a gathered copy of their
+weights; the reward and reference actors are OPPO's own, loaded by their ``init_model_from_pretrained``
+from a ``--ds.zero_stage 3`` command line, and must hold their weights unsharded.
 """
 
 import os
@@ -18,6 +20,7 @@ from test_scorer import TEMPERATURE, TOLERANCE, make_batch
 
 from openrlhf_oppo.protocol import Chunk
 from openrlhf_oppo.streaming import actors
+from openrlhf_oppo.streaming.zero3 import is_partitioned
 
 WORLD_SIZE = 2
 CHUNK_SIZES = (3, 16)  # per rank
@@ -45,10 +48,16 @@ def _rank(rank, port, checkpoints):
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=120))
     assert deepspeed.comm.get_world_size() == WORLD_SIZE
 
-    models = _load_models(checkpoints)
-    scorers = {role: _scoring_actor(role, model) for role, model in models.items()}
+    _load_in_float32()
+    # The frozen actors load first: transformers keeps the last ZeRO-3 config loaded in this process as a global,
+    # which the ZeRO-3 models below would leave behind (an actor's own process loads one model).
+    scorers = {role: _frozen_actor(role, checkpoints) for role in ("reward", "reference")}
     for role, actor in scorers.items():
-        assert actor.oppo_copy is not None and not _has_zero3_hooks(actor.oppo_copy.module), role
+        assert actor.oppo_copy is None and not is_partitioned(actor.oppo_scorer.model), role
+    models = _load_models(checkpoints)
+    for role in ("policy", "critic"):
+        scorers[role] = _scoring_actor(role, models[role])
+        assert scorers[role].oppo_copy is not None and not _has_zero3_hooks(scorers[role].oppo_copy.module), role
 
     sequences, input_ids, attention_mask, action_mask = make_batch(seed=rank, count=5)
     halves = [len(tokens) // 2 + 1 for _, tokens in sequences]
@@ -76,16 +85,19 @@ def _rank(rank, port, checkpoints):
         assert moved > 100 * TOLERANCE, f"the {role}'s step did not change its scores"
 
 
+def _load_in_float32():
+    """OpenRLHF loads bf16 or fp16 only; float32 is what makes a 1e-5 comparison meaningful on CPU."""
+    import openrlhf.utils.utils
+
+    to_dtype = openrlhf.utils.utils.convert_to_torch_dtype
+    openrlhf.utils.utils.convert_to_torch_dtype = lambda name: torch.float32 if name == "fp32" else to_dtype(name)
+
+
 def _load_models(checkpoints):
     """The four models as OpenRLHF's actors load them under ZeRO-3, in float32 (CPU, tolerance 1e-5)."""
     import deepspeed
-    import openrlhf.utils.utils
     from openrlhf.models import Actor, get_llm_for_sequence_regression
     from openrlhf.utils.deepspeed.deepspeed_utils import get_eval_ds_config, get_train_ds_config
-
-    # OpenRLHF loads bf16 or fp16 only; float32 is what makes a 1e-5 comparison meaningful on CPU.
-    to_dtype = openrlhf.utils.utils.convert_to_torch_dtype
-    openrlhf.utils.utils.convert_to_torch_dtype = lambda name: torch.float32 if name == "fp32" else to_dtype(name)
 
     # As DeepspeedStrategy.get_ds_train_config, with torch's AdamW (DeepSpeed's fused Adam is compiled).
     optimizer = {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}
@@ -149,6 +161,46 @@ class _Trainable:
         engine.step()
         model.eval()
         return {}
+
+
+def _frozen_actor(role, checkpoints):
+    """OPPO's reward or reference actor (outside Ray), loaded by its own ``init_model_from_pretrained`` as the
+    placement loads it under ``--ds.zero_stage 3``, with the scorer set up."""
+    from openrlhf.utils import get_strategy
+
+    from openrlhf_oppo.cli.train_ppo_ray import parse_args
+
+    argv = [
+        "--actor.model_name_or_path", checkpoints["actor"],
+        "--reward.model_name_or_path", checkpoints["reward"],
+        "--critic.model_name_or_path", checkpoints["reward"],
+        "--ds.zero_stage", "3",
+        "--ds.attn_implementation", "sdpa",
+        "--reward.normalize_enable",
+        "--rollout.temperature", str(TEMPERATURE),
+        "--vllm.num_engines", "1",
+        "--oppo.enable",
+    ]  # fmt: skip
+    args = parse_args(argv)
+    assert role in args.oppo.streamed_roles
+    args.ds.param_dtype = "fp32"  # see _load_in_float32 (upstream's parser offers bf16 and fp16 only)
+    strategy = get_strategy(args)
+    strategy.setup_distributed = lambda: None  # upstream's builds a CUDA device mesh; gloo is up already
+    cls = actors.StreamingRewardModelActor if role == "reward" else actors.StreamingReferenceModelActor
+    actor = cls.__new__(cls)  # BaseDistributedActor.__init__ only sets a GPU rank's environment
+    actor.init_model_from_pretrained(strategy, checkpoints["reward" if role == "reward" else "actor"])
+    assert strategy.stage == 0
+    if role == "reward":
+        model = actor.model.module
+        model.mean[0], model.std[0] = 0.3, 2.0  # as _load_models' upstream reward model
+    actor.oppo_setup(
+        role=role,
+        cache_budget_bytes=1 << 30,
+        temperature=TEMPERATURE,
+        max_tokens_per_forward=16384,
+        max_cached_tokens_per_forward=65536,
+    )
+    return actor
 
 
 def _scoring_actor(role, model):

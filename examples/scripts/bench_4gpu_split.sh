@@ -4,10 +4,12 @@
 # keeps all four models on the models' GPUs. Random-init Qwen2.5-3B (default) or 7B shape, long-tail
 # workload; upstream sync, upstream async with partial rollout and OPPO with both halves in one invocation,
 # every system on OpenRLHF with patches/openrlhf applied. Needs 141 GB cards (H200) for the 3B shape.
-#   SHAPE=qwen2.5-7b ZERO=3 OFFLOAD=1 bash examples/scripts/bench_4gpu_split.sh    (7B: not measured yet)
-# ZERO=3 shards the models' parameters and optimizer states over their ranks (OPPO's scorers then stream on
-# a full copy of the weights, gathered after each update: one more copy per rank). OFFLOAD=1 keeps the Adam
+#   SHAPE=qwen2.5-7b ZERO=3 OFFLOAD=1 VLLM_UTIL=0.5 BATCH=32 DELTA=32 bash examples/scripts/bench_4gpu_split.sh
+# (7B: not measured yet). ZERO=3 shards the policy's and critic's parameters and optimizer states over their
+# ranks (OPPO's critic then streams on a full copy of its weights, gathered after each update: one more copy
+# per rank; the frozen reward and reference models load unsharded beside vLLM). OFFLOAD=1 keeps the Adam
 # states in host memory (--ds.adam_offload), which the 7B policy and critic need on two GPUs.
+# BATCH is the prompts a step, STEPS the measured steps after WARMUP steps that are not measured.
 # ROLLOUT_MB and TRAIN_MB are the micro-batch sizes of upstream's forward passes and of training (per GPU);
 # OpenRLHF's own recipes use 32 and 8 (with sample packing).
 # VLLM_UTIL is vLLM's share of its GPUs, the same for every system; the rest holds the frozen models beside it.
@@ -21,8 +23,8 @@ offload=()
 [ "${OFFLOAD:-0}" = 1 ] && offload=(--extra=--ds.adam_offload)
 python3 -m openrlhf_oppo.bench --gpus 4 --placement split --shape "${SHAPE:-qwen2.5-3b}" \
   --systems "${SYSTEMS:-upstream-async,oppo-both,upstream-sync}" \
-  --batch 64 --rollout_micro_batch "${ROLLOUT_MB:-8}" --train_micro_batch "${TRAIN_MB:-2}" \
-  --steps "${STEPS:-5}" --warmup 1 --overcommit "${DELTA:-32}" \
+  --batch "${BATCH:-64}" --rollout_micro_batch "${ROLLOUT_MB:-8}" --train_micro_batch "${TRAIN_MB:-2}" \
+  --steps "${STEPS:-5}" --warmup "${WARMUP:-1}" --overcommit "${DELTA:-32}" \
   --lengths lognormal --mean 500 --sigma 1.0 --high 4096 --cache_budget_gb 4 \
   --extra=--ds.zero_stage --extra="${ZERO:-2}" "${offload[@]}" \
   --extra=--vllm.gpu_memory_utilization --extra="${VLLM_UTIL:-0.6}" \

@@ -5,7 +5,8 @@ the trainer's ``StreamCoordinator``) on top of a ``ChunkScorer`` over the actor'
 changes: upstream's ``forward`` still serves whatever was not streamed. The critic and the policy train
 every step, so their ``fit`` bumps the scorer's weight version: sequences still streaming re-prefill under
 the new weights, and finished scores computed with old weights are recomputed before they are collected.
-Under ZeRO-3 the scorer runs on a full copy of the weights, gathered again after each ``fit`` (``zero3.py``).
+Under ZeRO-3 the critic's and the policy's scorers run on a full copy of the weights, gathered again after
+each ``fit`` (``zero3.py``); the frozen reward and reference models load their weights unsharded instead.
 
 Finished scores wait in ``oppo_finished`` until the trainer collects them, or discards those that training
 will never ask for (``oppo_discard``).
@@ -155,14 +156,28 @@ class _TrainableScorerMixin(StreamingScorerMixin):
         return status
 
 
-class StreamingRewardModelActor(StreamingScorerMixin, RewardModelActor.__ray_actor_class__):
+class _FrozenScorerMixin(StreamingScorerMixin):
+    oppo_frozen_role: str = None  # "reward" or "reference"
+
+    def init_model_from_pretrained(self, strategy, pretrain):
+        # --- OPPO change: upstream shards a frozen model under ZeRO-3, and every forward all-gathers each layer
+        # from all its ranks. A streaming rank scores alone, on the full weights (an InferenceCopy, kept beside the
+        # shard). Frozen weights never need gathering again, so a streamed frozen model loads them whole, as
+        # upstream does under ZeRO-1/2 (DeepSpeed stage 0 for inference): one copy a rank, no collectives. ---
+        if strategy.stage == 3 and self.oppo_frozen_role in strategy.args.oppo.streamed_roles:
+            strategy.stage = 0  # this actor's own strategy: the other models keep ZeRO-3
+        super().init_model_from_pretrained(strategy, pretrain)
+
     def oppo_model(self):
         return self.model
 
 
-class StreamingReferenceModelActor(StreamingScorerMixin, ReferenceModelActor.__ray_actor_class__):
-    def oppo_model(self):
-        return self.model
+class StreamingRewardModelActor(_FrozenScorerMixin, RewardModelActor.__ray_actor_class__):
+    oppo_frozen_role = "reward"
+
+
+class StreamingReferenceModelActor(_FrozenScorerMixin, ReferenceModelActor.__ray_actor_class__):
+    oppo_frozen_role = "reference"
 
 
 class StreamingCriticModelActor(_TrainableScorerMixin, CriticModelActor.__ray_actor_class__):

@@ -9,9 +9,10 @@ streaming is set up and after each ``fit`` of the policy and the critic: upstrea
 of the model together, so the all-gathers line up there.
 
 Memory: one full copy of the weights on every rank, beside the rank's shard (``2 * parameters`` bytes in
-bf16: about 15 GB for a 7B model), on the GPU even where ``--ref.offload``/``--reward.offload`` keep the
-shards on the CPU. Gathering copies one parameter at a time, so it needs no more than one gathered parameter
-on top of the copy.
+bf16: about 15 GB for a 7B model). Gathering copies one parameter at a time, so it needs no more than one
+gathered parameter on top of the copy. Only the critic and the policy need it: the frozen reward and
+reference models, when they stream, load their weights unsharded in the first place (``actors.py``), so
+they hold one copy, not a shard and a copy.
 """
 
 import copy
