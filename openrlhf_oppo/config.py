@@ -699,7 +699,7 @@ def describe(args) -> str:
     parts = [f"intra-step streaming to {', '.join(oppo.streamed_roles)}" if oppo.streamed_roles else "no streaming"]
     if oppo.colocate_models:
         parts.append(
-            f"reward and reference on the {'vLLM' if oppo.frozen_scorers_on == 'generation' else 'models'}' GPUs"
+            f"reward and reference on the {'engines' if oppo.frozen_scorers_on == 'generation' else 'models'}' GPUs"
         )
     if oppo.inter_step:
         parts.append(

@@ -96,6 +96,7 @@ def test_learning_benchmark_run_is_a_valid_command(system, monkeypatch):
     # Every system weighs samples by pi_train/pi_rollout (clipped), which needs vLLM's log-probs.
     assert (args.algo.advantage.is_correction_level, args.algo.advantage.is_correction_mode) == ("token", "clip")
     assert args.train.micro_batch_size == args.train.batch_size == 64  # one micro-batch per policy update
+    assert not args.actor.gradient_checkpointing_enable  # the small model: recomputing would only slow training
     if system.startswith("oppo"):
         assert args.oppo.streamed_roles == ["policy", "reference"]  # no reward model, no critic
         assert args.oppo.carry_kv == ("keep" if system == "oppo-both-keep" else "recompute")
@@ -110,6 +111,7 @@ def test_group_norm_benchmark_drops_the_critic(system, monkeypatch):
     args = parse_args(flags + system_flags(system, "split", 8) + ["--algo.advantage.estimator", "group_norm"])
     assert args.algo.advantage.estimator == "group_norm" and args.critic.model_name_or_path is None
     assert args.rollout.n_samples_per_prompt == 4 and args.train.batch_size == 64
+    assert args.actor.gradient_checkpointing_enable  # the speed benchmark's shapes train with it
     if system == "oppo-both":
         assert args.oppo.streamed_roles == ["policy", "reward", "reference"] and args.oppo.overcommit == 8
 
@@ -195,3 +197,14 @@ def test_benchmark_runs_by_default_every_system_its_placement_can(placement, mon
     systems = parse().systems.split(",")
     other_only = SPLIT_ONLY if placement == "colocated" else COLOCATED_ONLY
     assert systems == [s for s in SYSTEMS if s not in other_only] and "oppo-both" in systems
+
+
+def test_learning_benchmark_updates_a_step(monkeypatch):
+    """--updates sets the policy updates a step (each one micro-batch); a count that does not divide the step's
+    samples is refused before anything runs."""
+    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
+    options = learning.parse(["--task", "addition", "--out", "/o", "--updates", "2"])
+    args = parse_args(learning.run_flags("/w", "/o", "oppo-both-seed0", "oppo-both", 0, options))
+    assert args.train.micro_batch_size == args.train.batch_size == 128
+    with pytest.raises(SystemExit):
+        learning.parse(["--task", "addition", "--out", "/o", "--updates", "3"])

@@ -47,6 +47,9 @@ def parse(argv=None):
     parser.add_argument("--steps", type=int, default=80, help="PPO steps per run")
     parser.add_argument("--overcommit", type=int, default=None, help="Delta for the OPPO systems (default B)")
     parser.add_argument("--lr", type=float, default=3e-5, help="the policy's learning rate in PPO")
+    parser.add_argument(
+        "--updates", type=int, default=4, help="policy updates a step, each on an equal share of its samples"
+    )
     parser.add_argument("--target", type=float, default=0.8, help="the accuracy the convergence table times")
     parser.add_argument("--warmup_target", type=float, default=0.3, help="held-out greedy accuracy to stop at")
     parser.add_argument("--warmup_max_steps", type=int, default=5000)
@@ -70,6 +73,9 @@ def parse(argv=None):
     parser.add_argument("--out", required=True, help="results.json, table.md and the plots")
     parser.add_argument("--scratch", default=None, help="logs, tensorboard, traces, checkpoints (default OUT)")
     args = parser.parse_args(argv)
+    samples = args.batch * args.n_samples
+    if args.updates < 1 or samples % args.updates:
+        parser.error(f"--updates {args.updates} must divide the {samples} samples of a step (--batch x --n_samples)")
     args.warmup = 0  # every PPO step counts (``run_system`` reads it)
     # Delta equal to the batch: the next step's groups decode while this one trains (the speed runs' setting).
     args.overcommit = args.overcommit if args.overcommit is not None else args.batch
@@ -134,9 +140,14 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
     prompts, rule reward and response lengths, and the PPO settings of the learning benchmark."""
     max_response = addition.max_response_tokens(args.digits_high)
     samples = args.batch * args.n_samples
-    update = max(1, samples // 4)  # samples a policy update
+    update = max(1, samples // args.updates)  # samples a policy update
+    # No gradient checkpointing: the small model's activations are small, and recomputing them would only lengthen
+    # every system's training, the part of the step that no system overlaps.
+    cluster = cluster_flags(
+        workdir, out, name, system, args.placement, args.gpus, seed, args.cache_budget_gb, gradient_checkpointing=False
+    )
     return (
-        cluster_flags(workdir, out, name, system, args.placement, args.gpus, seed, args.cache_budget_gb)
+        cluster
         + [
             "--data.prompt_dataset", f"{workdir}/prompts.jsonl",
             "--data.input_key", "input",
@@ -148,8 +159,8 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
             "--rollout.batch_size", str(args.batch),
             "--rollout.n_samples_per_prompt", str(args.n_samples),
             "--rollout.micro_batch_size", str(min(32, samples)),
-            # Four policy updates a step, each on a quarter of the step's samples in one micro-batch: the small
-            # model's training is bound by launches (1.4 s a step with micro-batches of 16 on an H200).
+            # --updates policy updates a step (4), each on an equal share of the step's samples in one micro-batch:
+            # the small model's training is bound by launches (1.4 s a step with micro-batches of 16 on an H200).
             "--train.batch_size", str(update),
             "--train.micro_batch_size", str(update),
             "--train.max_epochs", "1",

@@ -108,7 +108,15 @@ def common_flags(
 
 
 def cluster_flags(
-    workdir: str, out: str, name: str, system: str, placement: str, gpus: int, seed: int, cache_budget_gb: float
+    workdir: str,
+    out: str,
+    name: str,
+    system: str,
+    placement: str,
+    gpus: int,
+    seed: int,
+    cache_budget_gb: float,
+    gradient_checkpointing: bool = True,
 ) -> list:
     """Where the engines and models run, on which checkpoints (``workdir/models``), the seed and the prompt
     order it fixes, and where the run named ``name`` logs (tensorboard ``out/tb/name``), saves and traces."""
@@ -129,11 +137,12 @@ def cluster_flags(
         "--ds.zero_stage", "2",
         "--ds.param_dtype", "bf16",
         "--ds.attn_implementation", "sdpa",
-        "--actor.gradient_checkpointing_enable",
         "--logger.logging_steps", "1",
         "--logger.tensorboard_dir", f"{out}/tb",
         "--logger.wandb.run_name", name,
     ]  # fmt: skip
+    if gradient_checkpointing:
+        flags.append("--actor.gradient_checkpointing_enable")
     for role in ("actor", "critic", "reward", "ref"):
         flags += [f"--{role}.num_nodes", "1", f"--{role}.num_gpus_per_node", str(model_gpus)]
     if system.startswith("oppo"):
