@@ -87,24 +87,31 @@ OPTIONS = {
             type=_int_or_auto("--oppo.overcommit", 0),
             help="Inter-step overlap: prompt groups dispatched beyond --rollout.batch_size (Delta). The step ends "
             "when batch_size groups are done; the rest carry into the next step with their partial work. 0 turns "
-            "it off; 'auto' starts at an eighth of batch_size, raises Delta while the reward slope is positive and "
-            "lowers it otherwise.",
+            "it off; 'auto' starts at an eighth of batch_size and moves Delta by --oppo.overcommit_rule.",
         ),
         "auto",
     ),
     "overcommit_window": (
         dict(
             type=_bounded(int, "--oppo.overcommit_window", 2),
-            help="Steps over which --oppo.overcommit auto measures the reward slope.",
+            help="Steps over which --oppo.overcommit auto judges Delta (the waits for the batch_size-th group, or "
+            "the reward slope, by --oppo.overcommit_rule).",
         ),
         5,
     ),
     "overcommit_inc": (
-        dict(type=_bounded(int, "--oppo.overcommit_inc", 1), help="Groups added to Delta when the reward rises."),
+        dict(
+            type=_bounded(int, "--oppo.overcommit_inc", 1),
+            help="Groups added to Delta when --oppo.overcommit_rule says so (steps waited, or the reward rose).",
+        ),
         1,
     ),
     "overcommit_dec": (
-        dict(type=_bounded(int, "--oppo.overcommit_dec", 1), help="Groups taken from Delta when it does not."),
+        dict(
+            type=_bounded(int, "--oppo.overcommit_dec", 1),
+            help="Groups taken from Delta when --oppo.overcommit_rule says so (a surplus of done groups, or the "
+            "reward did not rise).",
+        ),
         1,
     ),
     "overcommit_min": (
@@ -214,8 +221,9 @@ OPTIONS = {
     "colocate_models": (
         dict(
             action="store_true",
-            help="Place actor, critic, reward and reference models on one set of GPUs (the actor's) and the vLLM "
-            "engines on their own. Works with OPPO on and off; needs no --oppo.enable.",
+            help="Place the models on one set of GPUs (the actor's) and the vLLM engines on their own: the policy "
+            "and critic always, the reward and reference models too unless --oppo.frozen_scorers_on puts them "
+            "beside the engines. Works with OPPO on and off; needs no --oppo.enable.",
         ),
         False,
     ),
@@ -641,6 +649,13 @@ def _check_overcommit_plan(args, given) -> None:
                 unused, "inter-step overlap, which --oppo.overcommit 0 turns off", "give --oppo.overcommit N or auto"
             )
         return
+    if "weight_sync" in given and (args.train.colocate_all or args.vllm.enable_sleep):
+        raise _unused(
+            ["weight_sync"],
+            "how engines that decode carried requests on GPUs of their own receive the new weights, and here they "
+            "share the models' GPUs (--train.colocate_all) or sleep through the sync (--vllm.enable_sleep)",
+            "place vLLM apart, awake",
+        )
     if "critic_catch_up" in given and "critic" not in oppo.streamed_roles:
         raise _unused(
             ["critic_catch_up"],

@@ -3,7 +3,7 @@
 The four models that score a rollout are named by their role, the same word in the options, the classes,
 the metrics and the traces: ``policy`` (old log-probs), ``critic`` (values), ``reward`` and ``reference``
 (log-probs for the KL term). Upstream's option groups call the policy ``actor`` and the reference ``ref``
-(``--actor.*``, ``--ref.*``); ``GROUP_OF_ROLE`` maps one onto the other where OPPO reads those options.
+(``--actor.*``, ``--ref.*``).
 
 Messages, in the order a sequence meets them:
 
@@ -24,8 +24,6 @@ import psutil
 import torch
 
 ROLES = ("policy", "critic", "reward", "reference")
-# Where upstream's options for each role live (``args.actor``, ``args.ref``, ...).
-GROUP_OF_ROLE = {"policy": "actor", "critic": "critic", "reward": "reward", "reference": "ref"}
 # The frozen roles: their weights never change, so their scores never go stale.
 FROZEN_ROLES = ("reward", "reference")
 

@@ -21,7 +21,7 @@ FIXTURES = ROOT / "tests" / "data" / "chunk_traces"
 # fixture name: (the recorded trace, the step's oppo/chunk_size as its run logged it); the 1-GPU smoke run's trace
 # is kept beside the fixtures (its run is not a benchmark result).
 TRACES = {
-    # 2x H200, vLLM apart, the four scorers on the training GPU; intra-step only (results-lane-b.json, step 3).
+    # 2x H200, vLLM apart, the four scorers on the training GPU; intra-step only (that run's step 3).
     "intra-2gpu-split-c128": (
         "docs/results/split-2gpu-1.5b-lognormal-patched-sync-vs-intra/trace-oppo-intra-step3.json",
         128,

@@ -6,8 +6,9 @@
 # every system on OpenRLHF with patches/openrlhf applied. Needs 141 GB cards (H200) for the 3B shape.
 #   SHAPE=qwen2.5-7b ZERO=3 OFFLOAD=1 VLLM_UTIL=0.5 BATCH=32 DELTA=32 bash examples/scripts/bench_4gpu_split.sh
 # (7B: not measured yet). ZERO=3 shards the policy's and critic's parameters and optimizer states over their
-# ranks (OPPO's critic then streams on a full copy of its weights, gathered after each update: one more copy
-# per rank; the frozen reward and reference models load unsharded beside vLLM). OFFLOAD=1 keeps the Adam
+# ranks (OPPO's critic, and its policy unless --oppo.policy_logprobs vllm, then stream on a full copy of the
+# weights, gathered after each update: one more copy per rank; the frozen reward and reference models load
+# unsharded beside vLLM). OFFLOAD=1 keeps the Adam
 # states in host memory (--ds.adam_offload), which the 7B policy and critic need on two GPUs.
 # BATCH is the prompts a step, STEPS the measured steps after WARMUP steps that are not measured.
 # ROLLOUT_MB and TRAIN_MB are the micro-batch sizes of upstream's forward passes and of training (per GPU);
