@@ -31,6 +31,65 @@ def fake_python(tmp_path_factory):
     return folder
 
 
+BENCHMARKS = sorted(p.name for p in SCRIPTS.glob("bench_*.sh")) + ["soak_2gpu_split.sh"]
+# The settings the scripts' own comments give besides their defaults.
+VARIANTS = [(script, {}, []) for script in BENCHMARKS] + [
+    (
+        "bench_4gpu_split.sh",
+        dict(SHAPE="qwen2.5-7b", ZERO="3", OFFLOAD="1", VLLM_UTIL="0.5", BATCH="32", DELTA="32"),
+        ["--oppo_extra=--oppo.policy_logprobs", "--oppo_extra=vllm"],
+    ),
+    ("bench_8gpu_7b.sh", dict(ZERO="3"), ["--oppo_extra=--oppo.policy_logprobs", "--oppo_extra=vllm"]),
+    ("bench_1gpu_colocated.sh", dict(PATCHED="1", SYSTEMS="upstream-sync,oppo-both-awake"), []),
+    ("bench_learning.sh", dict(SEEDS="0"), ["--updates", "2"]),
+]
+
+
+@pytest.fixture(scope="module")
+def fake_bench(tmp_path_factory):
+    """A ``python3`` that checks a benchmark command line without running it: the harness's options, then every
+    run's ``train_ppo_ray`` flags with upstream's parser and OPPO's checks."""
+    folder = tmp_path_factory.mktemp("bench-bin")
+    fake = folder / "python3"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        "assert sys.argv[1:3] == ['-m', 'openrlhf_oppo.bench'], sys.argv\n"
+        "sys.argv = ['openrlhf_oppo.bench'] + sys.argv[3:]\n"
+        "from openrlhf_oppo.cli.train_ppo_ray import parse_args\n"
+        "if '--task' in sys.argv:\n"
+        "    from openrlhf_oppo.bench import learning\n"
+        "    args = learning.parse()\n"
+        "    runs = [learning.run_flags('/w', '/o', f'{s}-seed{seed}', s, int(seed), args)\n"
+        "            for s in args.systems.split(',') for seed in args.seeds.split(',')]\n"
+        "else:\n"
+        "    from openrlhf_oppo.bench import __main__ as bench\n"
+        "    args = bench.parse()\n"
+        "    delta = args.overcommit if args.overcommit is not None else max(1, args.batch // 4)\n"
+        "    runs = [bench.system_command(args, s, '/w', delta) for s in args.systems.split(',') if s]\n"
+        "for flags in runs:\n"
+        "    parse_args(flags)\n"
+        "print('validated', len(runs), 'runs of', args.shape)\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return folder
+
+
+@pytest.mark.parametrize("script, env, extra", VARIANTS)
+def test_benchmark_script_validates_every_run(script, env, extra, fake_bench):
+    """Each benchmark script, with its defaults and with the settings its comments suggest: every run it would
+    start is a command line that upstream's parser and OPPO's checks accept, so none fails on a GPU machine for
+    a flag."""
+    env = dict(os.environ, PATH=f"{fake_bench}:{os.environ['PATH']}", **env)
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / script), *extra], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "validated" in result.stdout and "validated 0 runs" not in result.stdout
+    if "SHAPE" in env:
+        assert f"runs of {env['SHAPE']}" in result.stdout
+
+
 @pytest.mark.parametrize("script", LAUNCH)
 def test_launch_script_parses(script, fake_python):
     env = dict(os.environ, PATH=f"{fake_python}:{os.environ['PATH']}", REWARD_MODEL="/models/rm")
