@@ -29,6 +29,6 @@ python3 -m openrlhf_oppo.bench --gpus 4 --placement split --shape "${SHAPE:-qwen
   --lengths lognormal --mean 500 --sigma 1.0 --high 4096 --cache_budget_gb 4 \
   --extra=--ds.zero_stage --extra="${ZERO:-2}" "${offload[@]}" \
   --extra=--vllm.gpu_memory_utilization --extra="${VLLM_UTIL:-0.6}" \
-  --timeout 1200 --upstream_patches \
+  --timeout "${TIMEOUT:-1200}" --upstream_patches \
   --workdir "${WORKDIR:-/tmp/oppo-wl-4gpu}" --scratch "${SCRATCH:-/tmp/oppo-4gpu}" \
   --out "${OUT_DIR:-runs/4gpu-${SHAPE:-qwen2.5-3b}}" "$@"

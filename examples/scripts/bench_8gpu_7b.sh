@@ -22,6 +22,6 @@ python3 -m openrlhf_oppo.bench --gpus 8 --placement split --shape qwen2.5-7b \
   --lengths lognormal --mean 500 --sigma 1.0 --high 4096 --cache_budget_gb 4 \
   --extra=--ds.zero_stage --extra="${ZERO:-2}" \
   --extra=--vllm.gpu_memory_utilization --extra="${VLLM_UTIL:-0.5}" \
-  --timeout 1800 --upstream_patches \
+  --timeout "${TIMEOUT:-1800}" --upstream_patches \
   --workdir "${WORKDIR:-/tmp/oppo-wl-7b}" --scratch "${SCRATCH:-/tmp/oppo-8gpu}" \
   --out "${OUT_DIR:-runs/8gpu-7b}" "$@"
