@@ -158,8 +158,8 @@ def test_checkpoint_with_groups_in_flight_resumes_exactly_once_in_a_new_process(
     assert Counter(trained_before + trained_after) == Counter(prompts)
 
 
-def _greedy(max_tokens):
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def _greedy(max_tokens, logprobs=None):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
 
 
 def _other_weights(actor_path, tmp_path):
@@ -190,7 +190,7 @@ def test_weight_update_with_a_request_in_flight(pipeline, engine, checkpoints, c
     coordinator = StreamCoordinator([engine], {})
     coordinator.connect({}, dict(STREAM_SETTINGS, chunk_size=8, salt_prompts=True))  # inter-step: samples tracked
     try:
-        running = engine.generate_responses.remote(prompt, str(length), _greedy(length), 256, tokenizer, 1)
+        running = engine.generate_responses.remote(prompt, str(length), _greedy(length, 0), 256, tokenizer, 1)
         while not any(n >= 5 for n in ray.get(engine.oppo_in_flight.remote()).values()):
             time.sleep(0.01)
         coordinator.pause(clear_cache=carry_kv == "recompute")
@@ -202,12 +202,17 @@ def test_weight_update_with_a_request_in_flight(pipeline, engine, checkpoints, c
         tokens = response["observation_tokens"][len(prompt_ids) :]
         assert len(tokens) == length and response["stream_info"].last_version == 1
 
-        fresh = ray.get(engine.generate.remote(prompt_ids + tokens[:done_before], _greedy(length - done_before)))
+        fresh = ray.get(engine.generate.remote(prompt_ids + tokens[:done_before], _greedy(length - done_before, 0)))
         continuation = list(fresh.outputs[0].token_ids)
+        # The log-probs tell the two apart where the tokens alone may not: a random model can settle into
+        # repeating one token whatever its KV cache holds.
+        carried = response["rollout_log_probs"][len(prompt_ids) + done_before :]
+        fresh_log_probs = [step[token].logprob for step, token in zip(fresh.outputs[0].logprobs, continuation)]
+        gap = max(abs(a - b) for a, b in zip(carried, fresh_log_probs))
         if carry_kv == "recompute":  # re-prefilled with the new weights: same as a fresh prefill
-            assert tokens[done_before:] == continuation
+            assert tokens[done_before:] == continuation and gap < 1e-3, gap
         else:  # the old weights' KV was kept: the continuation is not a fresh prefill's
-            assert tokens[done_before:] != continuation
+            assert tokens[done_before:] != continuation or gap > 1e-2, gap
     finally:
         ray.get(engine.load_weights.remote(original))
         coordinator.resume(0)
