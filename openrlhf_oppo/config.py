@@ -649,7 +649,7 @@ def _check_overcommit_plan(args, given) -> None:
                 unused, "inter-step overlap, which --oppo.overcommit 0 turns off", "give --oppo.overcommit N or auto"
             )
         return
-    if "weight_sync" in given and (args.train.colocate_all or args.vllm.enable_sleep):
+    if "weight_sync" in given and not engines_decode_through_sync(args):
         raise _unused(
             ["weight_sync"],
             "how engines that decode carried requests on GPUs of their own receive the new weights, and here they "
@@ -697,6 +697,13 @@ def _check_overcommit_plan(args, given) -> None:
                 f"there are prompts (--data.max_samples {args.data.max_samples}): use at most "
                 f"{max(args.data.max_samples - batch, 0)}."
             )
+
+
+def engines_decode_through_sync(args) -> bool:
+    """Whether the engines can decode carried requests while the weights are sent (``--oppo.weight_sync staged``):
+    on GPUs of their own and awake. Under ``--train.colocate_all`` they share the models' GPUs; with
+    ``--vllm.enable_sleep`` they sleep through the sync."""
+    return not args.train.colocate_all and not args.vllm.enable_sleep
 
 
 def pauses_carried_requests_in_training(args) -> bool:

@@ -38,6 +38,7 @@ import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from openrlhf_oppo.config import SYNC_BUCKET_MB as DEFAULT_BUCKET_MB
+from openrlhf_oppo.config import engines_decode_through_sync
 
 UPSTREAM_WORKER_WRAP = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
 
@@ -56,7 +57,7 @@ class SyncPlan:
         carried requests (inter-step overlap), engines awake and on GPUs of their own."""
         bucket_mb = getattr(args.vllm, "sync_bucket_mb", DEFAULT_BUCKET_MB)
         oppo = args.oppo
-        decoding = oppo.inter_step and not args.vllm.enable_sleep and not args.train.colocate_all
+        decoding = oppo.inter_step and engines_decode_through_sync(args)
         staged = bucket_mb > 0 and decoding and getattr(oppo, "weight_sync", "staged") == "staged"
         return cls(int(bucket_mb * 1024 * 1024), staged)
 

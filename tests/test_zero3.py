@@ -163,6 +163,15 @@ class _Trainable:
         return {}
 
 
+# The scorers' settings (``oppo_setup``), the same for every role.
+SCORER_SETTINGS = dict(
+    cache_budget_bytes=1 << 30,
+    temperature=TEMPERATURE,
+    max_tokens_per_forward=16384,
+    max_cached_tokens_per_forward=65536,
+)
+
+
 def _frozen_actor(role, checkpoints):
     """OPPO's reward or reference actor (outside Ray), loaded by its own ``init_model_from_pretrained`` as the
     placement loads it under ``--ds.zero_stage 3``, with the scorer set up."""
@@ -193,29 +202,16 @@ def _frozen_actor(role, checkpoints):
     if role == "reward":
         model = actor.model.module
         model.mean[0], model.std[0] = 0.3, 2.0  # as _load_models' upstream reward model
-    actor.oppo_setup(
-        role=role,
-        cache_budget_bytes=1 << 30,
-        temperature=TEMPERATURE,
-        max_tokens_per_forward=16384,
-        max_cached_tokens_per_forward=65536,
-    )
+    actor.oppo_setup(role=role, **SCORER_SETTINGS)
     return actor
 
 
 def _scoring_actor(role, model):
-    """The real ``oppo_*`` side of a scoring actor (``streaming/actors.py``) over ``model``."""
-    base = (
-        (actors._TrainableScorerMixin, _Trainable) if role in ("policy", "critic") else (actors.StreamingScorerMixin,)
-    )
+    """The real ``oppo_*`` side of the policy's or the critic's scoring actor (``streaming/actors.py``) over
+    ``model``, with ``_Trainable``'s fit."""
+    base = (actors._TrainableScorerMixin, _Trainable)
     actor = type(f"{role}Scorer", base, {"oppo_model": lambda self: model})()
-    actor.oppo_setup(
-        role=role,
-        cache_budget_bytes=1 << 30,
-        temperature=TEMPERATURE,
-        max_tokens_per_forward=16384,
-        max_cached_tokens_per_forward=65536,
-    )
+    actor.oppo_setup(role=role, **SCORER_SETTINGS)
     return actor
 
 
