@@ -79,6 +79,8 @@ def parse():
     parser.add_argument("--scratch", default=None, help="logs, tensorboard, traces, checkpoints (default OUT)")
     args = parser.parse_args()
     check_workload_arguments(parser, args)
+    if args.overcommit is None:
+        args.overcommit = max(1, args.batch // 4)
     other_placement_only = SPLIT_ONLY if args.placement == "colocated" else COLOCATED_ONLY
     args.systems = args.systems or ",".join(s for s in SYSTEMS if s not in other_placement_only)
     for system in args.systems.split(","):
@@ -95,7 +97,6 @@ def main():
         return
     args = parse()
     systems = [s for s in args.systems.split(",") if s]
-    overcommit = args.overcommit if args.overcommit is not None else max(1, args.batch // 4)
     args.scratch = args.scratch or args.out
     workdir = args.workdir or os.path.join(args.scratch, "workload")
     os.makedirs(args.out, exist_ok=True)
@@ -112,14 +113,14 @@ def main():
 
     results = dict(
         **header(),
-        settings=dict(vars(args), overcommit=overcommit, prompts=prompts),
+        settings=dict(vars(args), prompts=prompts),
         workload=workload,
         upstream_patches=[patch.name for patch in patches()] if args.upstream_patches else [],
         systems={},
     )
     path = os.path.join(args.out, "results.json")
     for system in tqdm(systems, desc="systems"):
-        flags = system_command(args, system, workdir, overcommit)
+        flags = system_command(args, system, workdir, args.overcommit)
         results["systems"][system + args.tag] = run_system(system, flags, args)
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
