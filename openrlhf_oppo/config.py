@@ -11,6 +11,8 @@ import argparse
 import math
 import os
 
+from openrlhf_oppo.streaming.chunking import CANDIDATES as CHUNK_CANDIDATES
+
 # The policy reaches the engines in buckets of this many MB; patches/openrlhf/0007's --vllm.sync_bucket_mb
 # (same default) sets it where the patch is applied.
 SYNC_BUCKET_MB = 512
@@ -70,6 +72,16 @@ OPTIONS = {
             type=_int_or_auto("--oppo.chunk_size", 1),
             help="Tokens per streamed chunk, or 'auto': chosen each step from the measured decode rate and the "
             "scorers' prefill cost so that they keep up with the smallest last chunk. Logged as oppo/chunk_size.",
+        ),
+        "auto",
+    ),
+    "stream_interval": (
+        dict(
+            type=_int_or_auto("--oppo.stream_interval", 1),
+            help="Tokens a request decodes between two of its outputs to the rollout actor (vLLM's --stream-interval "
+            "for OPPO's engines; the first and last token come at once). Chunks are cut from these outputs, so it "
+            "may not exceed the smallest chunk; 'auto': 16, or the chunk size where --oppo.chunk_size is smaller. "
+            "1 hands over every token, at one Python wake-up per token and request in the rollout actor's process.",
         ),
         "auto",
     ),
@@ -364,6 +376,7 @@ def validate(args) -> None:
         _resolve_plan(args)
         _check_streaming_plan(args, given)
         _check_overcommit_plan(args, given)
+        _resolve_stream_interval(oppo)
     else:
         oppo.streamed_roles, oppo.inter_step, oppo.frozen_scorers_on = [], False, "models"
     print(f"[openrlhf-oppo] {describe(args)}", flush=True)
@@ -631,6 +644,23 @@ def _check_streaming_plan(args, given) -> None:
         raise OPPOConfigError(
             f"--oppo.chunk_size {oppo.chunk_size} is not below the longest response ({flag} {longest}): every "
             f"response would stream as one chunk, scored only when it ends. Use a chunk size below {longest}, or auto."
+        )
+
+
+# --oppo.stream_interval auto: a request's tokens reach the rollout actor this many at a time (vLLM's default is 1).
+STREAM_INTERVAL = 16
+
+
+def _resolve_stream_interval(oppo) -> None:
+    """Chunks are cut from the engine's outputs: an interval larger than the smallest chunk would grow it."""
+    smallest_chunk = CHUNK_CANDIDATES[0] if oppo.chunk_size == "auto" else oppo.chunk_size
+    if oppo.stream_interval == "auto":
+        oppo.stream_interval = min(STREAM_INTERVAL, smallest_chunk)
+    elif oppo.stream_interval > smallest_chunk:
+        raise OPPOConfigError(
+            f"--oppo.stream_interval {oppo.stream_interval} is larger than the smallest chunk (--oppo.chunk_size "
+            f"{oppo.chunk_size}: {smallest_chunk} tokens): chunks are cut from the engine's outputs, and would grow "
+            f"to {oppo.stream_interval} tokens. Use a stream interval of at most {smallest_chunk}, or auto."
         )
 
 

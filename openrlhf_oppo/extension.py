@@ -45,12 +45,22 @@ def configure(args) -> None:
         # train() places the models from these flags (patch 0002), the wrapper from placement.train.
         args.train.colocate_models = args.train.colocate_actor_ref = args.train.colocate_critic_reward = True
         args.train.frozen_models_with_vllm = args.oppo.frozen_scorers_on == "generation"
-    components = sys.modules["__main__"].__dict__.get("COMPONENTS")
-    if components is None or not (args.oppo.enable or args.bench.lengths_from_label):
+    if not (args.oppo.enable or args.bench.lengths_from_label):
         return
-    from openrlhf_oppo.streaming.rollout import OPPORolloutRayActor, RolloutConfig
+    from openrlhf_oppo.streaming.rollout import BoundActorClass, OPPORolloutRayActor, RolloutConfig, with_config
 
-    rollout = RolloutConfig(lengths_from_label=args.bench.lengths_from_label)
+    # Upstream's own runs on the benchmark's rollout actor keep vLLM's stream interval (1).
+    stream_interval = args.oppo.stream_interval if args.oppo.enable else 1
+    rollout = RolloutConfig(lengths_from_label=args.bench.lengths_from_label, stream_interval=stream_interval)
+    components = sys.modules["__main__"].__dict__.get("COMPONENTS")
+    if components is None:
+        # The unpatched driver: install() swapped the class before the options were parsed. Bind the options to
+        # it now, before create_vllm_engines reads the global (a mere parse, without install, swaps nothing).
+        from openrlhf.trainer.ray import vllm_engine
+
+        if isinstance(vllm_engine.RolloutRayActor, BoundActorClass):
+            vllm_engine.RolloutRayActor = with_config(OPPORolloutRayActor, rollout)
+        return
     components.update(rollout=OPPORolloutRayActor, rollout_kwargs=dict(oppo_config=vars(rollout)))
     if args.oppo.enable:
         from openrlhf_oppo.streaming import actors

@@ -168,6 +168,8 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.max_defer_steps", "3"], "--oppo.overcommit 0 turns off"),
         (["--oppo.enable", "--oppo.overcommit", "4", "--oppo.overcommit_window", "3"], "drop it, or use auto"),
         (["--oppo.enable", "--oppo.trace_dir", __file__], "is a file"),
+        (["--oppo.enable", "--oppo.chunk_size", "8", "--oppo.stream_interval", "16"], "of at most 8, or auto"),
+        (["--oppo.enable", "--oppo.stream_interval", "32"], "of at most 16, or auto"),  # the smallest auto chunk
     ],
 )
 def test_bad_combinations_are_refused_with_what_to_do(extra, message):
@@ -244,6 +246,13 @@ def test_the_cli_ends_with_one_line_before_ray_starts(value, code, message):
 def test_which_roles_stream(extra, streamed):
     args = parse_args(BASE + ["--oppo.enable"] + extra)
     assert args.oppo.streamed_roles == streamed
+
+
+@pytest.mark.parametrize(
+    "extra, interval", [([], 16), (["--oppo.chunk_size", "8"], 8), (["--oppo.stream_interval", "1"], 1)]
+)
+def test_the_stream_interval_never_exceeds_the_smallest_chunk(extra, interval):
+    assert parse_args(BASE + ["--oppo.enable"] + extra).oppo.stream_interval == interval
 
 
 def test_overcommit_defaults_follow_the_batch_size():

@@ -54,3 +54,20 @@ def test_oppo_swaps_subclasses_of_upstreams_classes(upstream_globals):
             assert replacement.extra_kwargs["oppo_config"]["lengths_from_label"] is False
         else:
             assert issubclass(replacement.__ray_actor_class__, original.__ray_actor_class__)
+
+
+@pytest.mark.parametrize("enable, interval", [(True, 16), (False, 1)])
+def test_the_rollout_actor_is_built_with_the_parsed_stream_interval(upstream_globals, enable, interval):
+    """install() swaps the rollout actor before the options are parsed; configure() binds them to it. Upstream's
+    runs on it (the benchmark's response lengths) keep vLLM's interval."""
+    from openrlhf.trainer.ray import vllm_engine
+
+    from openrlhf_oppo import extension
+    from openrlhf_oppo.cli.train_ppo_ray import parse_args
+
+    extension.install(enable=enable, lengths_from_label=True)
+    flags = ["--actor.model_name_or_path", "m", "--reward.model_name_or_path", "m", "--vllm.num_engines", "1"]
+    flags += ["--bench.lengths_from_label"]
+    parse_args(flags + (["--oppo.enable"] if enable else []))
+    config = vllm_engine.RolloutRayActor.extra_kwargs["oppo_config"]
+    assert (config["stream_interval"], config["lengths_from_label"]) == (interval, True)

@@ -75,6 +75,7 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
     names = {event["name"] for event in json.load(open(traces[-1]))["traceEvents"]}
     assert {"generation", "make_experience", "ppo_train", "weight_sync", "prefill", "fit"} <= names
     assert {"flush", "collect", "kl_advantages"} <= names  # the parts of make_experience
+    assert {"release", "top_up", "wait", "hold"} <= names  # the parts of generation
     # Chunks held through training reach the critic and the policy only when the next step starts.
     assert not any(prefills_while_training(trace, role) for trace in traces for role in ("critic", "policy"))
 

@@ -242,7 +242,7 @@ def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
                 ax.plot(at, values, ls=":", marker="o", ms=3, color=line.get_color(), label=f"{system}, held-out")
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.0%}")
         ax.set_xlabel("wall-clock minutes from the first step" if by_time else "PPO step")
-        ax.set_ylabel(f"accuracy: sampled responses ({SMOOTHING}-step mean); dotted: held-out, greedy")
+        ax.set_ylabel(f"accuracy\nsampled ({SMOOTHING}-step mean); dotted: held-out, greedy")
         ax.set_ylim(0, 1)
         ax.legend(fontsize=8, loc="lower right")
         settings = results["settings"]

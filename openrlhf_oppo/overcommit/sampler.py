@@ -76,15 +76,20 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         if self.args.vllm.enable_sleep:
             batch_vllm_engine_call(self.vllm_engines, "wake_up")
         # Carried sequences stream again: their chunks held through training now meet the new weights.
-        self.coordinator.release()
+        # (The generation phase's parts are spans of the trace's "generation" track: each is a call to the
+        # rollout actors, or the wait for the B-th group.)
+        with self.tracer.span("release", track="generation"):
+            self.coordinator.release()
 
         started = time.time()
         batch = self.args.rollout.batch_size
         stats = dict(completed=0, accepted=0)
         done_at_start = self._done_now()
         delta = self.controller.delta  # the Delta this step runs with
-        self._top_up(batch + delta, generate_kwargs)
-        bth_done_at = self._wait(batch, generate_kwargs, started, stats)
+        with self.tracer.span("top_up", track="generation"):
+            self._top_up(batch + delta, generate_kwargs)
+        with self.tracer.span("wait", track="generation"):
+            bth_done_at = self._wait(batch, generate_kwargs, started, stats)
         # The throughput rule moves Delta on this step's wait (the reward-slope rule on the reward, later).
         self.controller.record_generation(bth_done_at, done_at_start)
         taken = self._take(batch)
@@ -93,9 +98,11 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
 
         # Until the next step, carried sequences only queue their chunks: the scoring GPUs are about to
         # train, and the critic's and policy's scores would be computed with weights about to change.
-        self.coordinator.hold()
+        with self.tracer.span("hold", track="generation"):
+            self.coordinator.hold()
         if self.top_up_at_step_end:
-            self._top_up(batch + self.controller.delta, generate_kwargs)
+            with self.tracer.span("top_up", track="generation"):
+                self._top_up(batch + self.controller.delta, generate_kwargs)
         if self.args.vllm.enable_sleep:
             batch_vllm_engine_call(self.vllm_engines, "sleep")
         elif self.pause_between_steps and self.groups:

@@ -42,6 +42,7 @@ class RolloutConfig:
     """What the rollout actor needs to know when it is built (the rest arrives with ``oppo_connect``)."""
 
     lengths_from_label: bool = False  # --bench.lengths_from_label
+    stream_interval: int = 1  # --oppo.stream_interval: tokens per streamed output of a request
 
 
 class ChunkOutbox:
@@ -226,9 +227,12 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
     sync (``weight_sync``)."""
 
     async def __init__(self, *args, oppo_config: Optional[dict] = None, **kwargs):
-        await super().__init__(*args, **kwargs)
-        end_children_with_this_process()  # the engine core, should this actor die without a shutdown
         self.oppo_config = RolloutConfig(**(oppo_config or {}))
+        # Chunks are cut from the engine's outputs, 16 tokens or more: an output every ``stream_interval`` tokens
+        # of a request (vLLM's --stream-interval; the first and last tokens come at once) spares this process
+        # building and awaiting one output per token and request.
+        await super().__init__(*args, stream_interval=self.oppo_config.stream_interval, **kwargs)
+        end_children_with_this_process()  # the engine core, should this actor die without a shutdown
         self.tracer = Tracer(enabled=False, process="rollout")  # on with oppo_connect(trace=True)
         self.chunk_size = 64
         self.weight_version = 0
@@ -453,10 +457,10 @@ def fixed_length_params(sampling_params, label):
 
 def with_config(actor_class, config: RolloutConfig):
     """``actor_class`` as upstream's ``create_vllm_engines`` uses it, with ``config`` bound into the build."""
-    return _BoundActorClass(actor_class, dict(oppo_config=vars(config)))
+    return BoundActorClass(actor_class, dict(oppo_config=vars(config)))
 
 
-class _BoundActorClass:
+class BoundActorClass:
     """Stands in for a Ray actor class in ``create_vllm_engines``: ``.options(...).remote(**kwargs)`` gets
     our extra keyword arguments. Upstream has no hook to pass them (patches/openrlhf adds one)."""
 
@@ -465,7 +469,7 @@ class _BoundActorClass:
         self.extra_kwargs = extra_kwargs
 
     def options(self, **options):
-        return _BoundActorClass(self.actor_class.options(**options), self.extra_kwargs)
+        return BoundActorClass(self.actor_class.options(**options), self.extra_kwargs)
 
     def remote(self, *args, **kwargs):
         return self.actor_class.remote(*args, **kwargs, **self.extra_kwargs)

