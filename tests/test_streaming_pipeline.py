@@ -256,15 +256,3 @@ def test_a_sequence_at_the_length_limit_is_scored_by_the_policys_forward(pipelin
     streamed, upstream, metrics = experiences_both_ways(pipeline, samples)
     assert_same_experiences(streamed, upstream)
     assert metrics["oppo/fallback_micro_batches"] >= 1
-
-
-def test_the_engine_hands_over_tokens_at_the_stream_interval(engine):
-    """``--oppo.stream_interval`` reaches vLLM: a DELTA request of 9 tokens gets its first token alone, then runs
-    of the interval (the engine fixture's 2), and every token once, in the order a plain request gets them."""
-    from conftest import STREAM_INTERVAL
-
-    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
-    runs = ray.get(engine.delta_runs.remote([5, 6, 7], params))
-    assert [len(run) for run in runs] == [1] + [STREAM_INTERVAL] * 4
-    plain = ray.get(engine.generate.remote([5, 6, 7], params))
-    assert sum(runs, []) == list(plain.outputs[0].token_ids)
