@@ -13,5 +13,5 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -m openrlhf_oppo.bench --task addition --gpus 2 --placement split --upstream_patches \
   --systems "${SYSTEMS:-upstream-sync,upstream-async,oppo-both,oppo-both-keep}" --seeds "${SEEDS:-0,1,2}" \
-  --steps "${STEPS:-80}" --lr "${LR:-3e-5}" --timeout "${TIMEOUT:-1200}" \
+  --steps "${STEPS:-80}" --lr "${LR:-5e-5}" --timeout "${TIMEOUT:-1200}" \
   --workdir "${WORKDIR:-/tmp/oppo-learning}" --scratch "${SCRATCH:-/tmp/oppo-learning-runs}" --out "${OUT_DIR:-runs/learning}" "$@"

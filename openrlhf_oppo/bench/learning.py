@@ -46,7 +46,7 @@ def parse(argv=None):
     parser.add_argument("--n_samples", type=int, default=8, help="samples per prompt (group_norm's group)")
     parser.add_argument("--steps", type=int, default=80, help="PPO steps per run")
     parser.add_argument("--overcommit", type=int, default=None, help="Delta for the OPPO systems (default B)")
-    parser.add_argument("--lr", type=float, default=3e-5, help="the policy's learning rate in PPO")
+    parser.add_argument("--lr", type=float, default=5e-5, help="the policy's learning rate in PPO")
     parser.add_argument(
         "--updates", type=int, default=4, help="policy updates a step, each on an equal share of its samples"
     )

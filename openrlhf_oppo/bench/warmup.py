@@ -32,7 +32,7 @@ def warm_up(
     batch: int = 256,
     lr: float = 5e-4,
     max_steps: int = 5000,
-    eval_every: int = 20,
+    eval_every: int = 10,
     heldout: int = 256,
     dtype: str = "bfloat16",
 ) -> dict:
@@ -173,7 +173,7 @@ def main():
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--max_steps", type=int, default=5000)
     parser.add_argument(
-        "--eval_every", type=int, default=20, help="steps between evaluations: how far past the target it may stop"
+        "--eval_every", type=int, default=10, help="steps between evaluations: how far past the target it may stop"
     )
     args = parser.parse_args()
     summary = warm_up(
