@@ -379,6 +379,7 @@ def validate(args) -> None:
         _resolve_stream_interval(oppo)
     else:
         oppo.streamed_roles, oppo.inter_step, oppo.frozen_scorers_on = [], False, "models"
+        oppo.stream_interval = 1  # vLLM's own: upstream's runs on the benchmark's rollout actor stay as they are
     print(f"[openrlhf-oppo] {describe(args)}", flush=True)
 
 

@@ -49,9 +49,9 @@ def configure(args) -> None:
         return
     from openrlhf_oppo.streaming.rollout import BoundActorClass, OPPORolloutRayActor, RolloutConfig, with_config
 
-    # Upstream's own runs on the benchmark's rollout actor keep vLLM's stream interval (1).
-    stream_interval = args.oppo.stream_interval if args.oppo.enable else 1
-    rollout = RolloutConfig(lengths_from_label=args.bench.lengths_from_label, stream_interval=stream_interval)
+    rollout = RolloutConfig(
+        lengths_from_label=args.bench.lengths_from_label, stream_interval=args.oppo.stream_interval
+    )
     components = sys.modules["__main__"].__dict__.get("COMPONENTS")
     if components is None:
         # The unpatched driver: install() swapped the class before the options were parsed. Bind the options to

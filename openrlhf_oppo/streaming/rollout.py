@@ -228,9 +228,9 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
 
     async def __init__(self, *args, oppo_config: Optional[dict] = None, **kwargs):
         self.oppo_config = RolloutConfig(**(oppo_config or {}))
-        # Chunks are cut from the engine's outputs, 16 tokens or more: an output every ``stream_interval`` tokens
-        # of a request (vLLM's --stream-interval; the first and last tokens come at once) spares this process
-        # building and awaiting one output per token and request.
+        # Chunks are cut from the engine's outputs, at most the smallest chunk apart (config checks it): an output
+        # every ``stream_interval`` tokens of a request (vLLM's --stream-interval; the first and last tokens come at
+        # once) spares this process building and awaiting one output per token and request.
         await super().__init__(*args, stream_interval=self.oppo_config.stream_interval, **kwargs)
         end_children_with_this_process()  # the engine core, should this actor die without a shutdown
         self.tracer = Tracer(enabled=False, process="rollout")  # on with oppo_connect(trace=True)
