@@ -2,10 +2,11 @@
 own train_ppo_ray loads OPPO as an extension, OPPO's wrapper keeps working, and the fixes do what they
 say (prompt order seeded, tokenizer sent once, advantages equal bit for bit, a checkpoint of an episode's
 last step resumes in the next episode, the critic's training awaited first with a hook after it, the
-sleep-mode branch a method; the bucketed weight sync of 0007 runs against a real engine in
+sleep-mode branch a method, CPU Adam on the host's cores; the bucketed weight sync of 0007 runs against a real engine in
 test_weight_sync.py)."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -49,6 +50,7 @@ def test_there_are_patches():
         "0008",
         "0009",
         "0010",
+        "0011",
     ]
 
 
@@ -353,3 +355,31 @@ def test_patched_sleep_mode_branch_is_a_method_that_makes_the_same_calls(patched
         f"{model} {call}" for model in ("critic", "actor") for call in ("reload_states", "fit", "offload_states")
     ]
     assert status == {"critic_loss": 1.0, "actor_loss": 1.0}
+
+
+def test_patched_model_actors_give_cpu_adam_the_hosts_cores(patched):
+    out = run(
+        patched,
+        f"""
+        import os
+        from types import SimpleNamespace
+        import ray, torch
+        from openrlhf.trainer.ray.launcher import BaseModelActor
+
+        class Rank(BaseModelActor):  # upstream's model actors start with _setup_distributed
+            def setup(self, strategy):
+                self._setup_distributed(strategy)
+                return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env=dict(env_vars=dict(PYTHONPATH={str(patched)!r})))
+        for adam_offload in (True, False):
+            args = SimpleNamespace(actor=SimpleNamespace(num_gpus_per_node=1),
+                                   critic=SimpleNamespace(model_name_or_path=None, num_gpus_per_node=1))
+            strategy = SimpleNamespace(setup_distributed=lambda: None, adam_offload=adam_offload, args=args)
+            rank = ray.remote(num_gpus=0)(Rank).options(num_cpus=0.2).remote(1, 0, "127.0.0.1", 29500)
+            print(adam_offload, *ray.get(rank.setup.remote(strategy)))
+        """,
+    )
+    cores = len(os.sched_getaffinity(0))
+    assert out.splitlines()[-2:] == [f"True 1 {cores}", "False 1 1"]

@@ -5,7 +5,7 @@
 # workload; upstream sync, upstream async with partial rollout and OPPO with both halves in one invocation,
 # every system on OpenRLHF with patches/openrlhf applied. Needs 141 GB cards (H200) for the 3B shape.
 #   SHAPE=qwen2.5-7b ZERO=3 OFFLOAD=1 VLLM_UTIL=0.5 BATCH=32 DELTA=32 bash examples/scripts/bench_4gpu_split.sh
-# (7B: not measured yet). ZERO=3 shards the policy's and critic's parameters and optimizer states over their
+# (7B: docs/RESULTS.md, split-4gpu-7b-lognormal-patched-zero3-offload). ZERO=3 shards the policy's and critic's parameters and optimizer states over their
 # ranks (OPPO's critic, and its policy unless --oppo.policy_logprobs vllm, then stream on a full copy of the
 # weights, gathered after each update: one more copy per rank; the frozen reward and reference models load
 # unsharded beside vLLM). OFFLOAD=1 keeps the Adam

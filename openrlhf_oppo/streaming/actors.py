@@ -12,6 +12,7 @@ Finished scores wait in ``oppo_finished`` until the trainer collects them, or di
 will never ask for (``oppo_discard``).
 """
 
+import os
 import time
 
 import ray
@@ -25,6 +26,15 @@ from openrlhf_oppo.streaming.scorer import ChunkScorer, unwrap_model
 from openrlhf_oppo.streaming.zero3 import InferenceCopy, is_partitioned
 from openrlhf_oppo.trace import Tracer
 from openrlhf_oppo.weight_sync import WeightSyncPolicyMixin
+
+
+def cpu_adam_threads(args) -> int:
+    """CPU threads for each rank that trains with ``--ds.adam_offload``: the host's cores shared evenly among the
+    policy's and the critic's ranks on it (the same as ``launcher.cpu_adam_threads`` of patch 0011)."""
+    ranks = args.actor.num_gpus_per_node
+    if args.critic.model_name_or_path:
+        ranks += args.critic.num_gpus_per_node
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
 class StreamingScorerMixin:
@@ -138,6 +148,14 @@ class StreamingScorerMixin:
 
 class _TrainableScorerMixin(StreamingScorerMixin):
     oppo_trained_role: str = None  # "critic" or "policy"
+
+    def init_model_from_pretrained(self, strategy, *args, **kwargs):
+        # --- OPPO change (patch 0011 makes it in upstream's _setup_distributed): Ray starts an actor whose CPU
+        # share is below one core with OMP_NUM_THREADS=1, and PyTorch, whose OpenMP runtime DeepSpeed's CPU Adam
+        # shares, takes one thread from it. Set before the optimizer exists, for every call after this one. ---
+        if strategy.args.ds.adam_offload:
+            torch.set_num_threads(cpu_adam_threads(strategy.args))
+        super().init_model_from_pretrained(strategy, *args, **kwargs)
 
     def fit(self, *args, **kwargs):
         started = time.time()
