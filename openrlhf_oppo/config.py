@@ -398,19 +398,23 @@ def _check_placement(args) -> None:
             "--oppo.colocate_models is a synchronous placement. With --train.async_enable use --train.colocate_all, "
             "which in async mode already places only the DeepSpeed models together."
         )
-    actor = (args.actor.num_nodes, args.actor.num_gpus_per_node)
-    frozen_with_vllm = args.oppo.frozen_scorers_on == "generation"
-    for role in ("critic", "reward", "ref"):
-        if frozen_with_vllm and role != "critic":
-            continue  # checked against the engines' GPUs
-        other = (getattr(args, role).num_nodes, getattr(args, role).num_gpus_per_node)
-        if other != actor:
-            raise OPPOConfigError(
-                f"--oppo.colocate_models puts every model on the actor's GPUs: set --{role}.num_nodes and "
-                f"--{role}.num_gpus_per_node to the actor's ({actor[0]} and {actor[1]}), got {other}."
-            )
+    # The frozen models beside vLLM are checked against the engines' GPUs; under 'auto' that is decided once the
+    # streamed roles are known (_resolve_plan), which checks them against the actor's if they stay.
+    frozen_may_go = args.oppo.enable and args.oppo.frozen_scorers_on != "models"
+    _check_on_the_actors_gpus(args, ("critic",) if frozen_may_go else ("critic", "reward", "ref"))
     if not args.vllm.num_engines:
         raise OPPOConfigError("--oppo.colocate_models places the vLLM engines apart: set --vllm.num_engines >= 1.")
+
+
+def _check_on_the_actors_gpus(args, groups) -> None:
+    actor = (args.actor.num_nodes, args.actor.num_gpus_per_node)
+    for group in groups:
+        other = (getattr(args, group).num_nodes, getattr(args, group).num_gpus_per_node)
+        if other != actor:
+            raise OPPOConfigError(
+                f"--oppo.colocate_models puts every model on the actor's GPUs: set --{group}.num_nodes and "
+                f"--{group}.num_gpus_per_node to the actor's ({actor[0]} and {actor[1]}), got {other}."
+            )
 
 
 # vLLM's share of a GPU it shares with the frozen models; the rest holds their weights, KV caches and activations.
@@ -545,6 +549,8 @@ def _resolve_plan(args) -> None:
     oppo.streamed_roles = roles
     if oppo.frozen_scorers_on == "auto":
         oppo.frozen_scorers_on = "generation" if _frozen_beside_vllm_applies(args) else "models"
+        if oppo.frozen_scorers_on == "models" and oppo.colocate_models:
+            _check_on_the_actors_gpus(args, ("reward", "ref"))
 
     batch = args.rollout.batch_size
     if oppo.overcommit_max is None:

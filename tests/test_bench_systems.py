@@ -60,6 +60,39 @@ def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch):
     assert args.oppo.frozen_scorers_on == "generation" and args.reward.num_gpus_per_node == 2
 
 
+@pytest.mark.parametrize("system", ["upstream-sync", "upstream-async", "oppo-both", "oppo-inter"])
+def test_models_on_three_gpus_and_vllm_on_one(system, monkeypatch):
+    """``--model_gpus 3`` of 4: one engine, three ranks for the policy and critic; the OPPO systems whose frozen
+    models stream put one reward and one reference rank beside the engine, the others keep three with the models
+    (upstream's own checks of its placements included: the patched upstream repeats them)."""
+    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
+    flags = common_flags("/w", "/o", system, "split", 4, 32, 1, 5, 4096, 64, 0, 4.0, 8, 2, 3)
+    args = parse_args(flags + system_flags(system, "split", 32) + ["--ds.zero_stage", "3"])
+    assert args.vllm.num_engines == 1 and args.actor.num_gpus_per_node == args.critic.num_gpus_per_node == 3
+    beside_vllm = system == "oppo-both"
+    assert args.reward.num_gpus_per_node == args.ref.num_gpus_per_node == (1 if beside_vllm else 3)
+    if system.startswith("oppo"):
+        assert args.oppo.frozen_scorers_on == ("generation" if beside_vllm else "models")
+
+
+@pytest.mark.parametrize(
+    "argv,error",
+    [
+        (["--gpus", "4", "--placement", "split", "--model_gpus", "4"], "1 to 3 of the --gpus 4"),
+        (["--gpus", "4", "--placement", "split", "--model_gpus", "0"], "1 to 3 of the --gpus 4"),
+        (["--gpus", "1", "--placement", "colocated", "--model_gpus", "1"], "is for --placement split"),
+        (["--gpus", "1", "--placement", "split"], "needs --gpus 2 or more"),
+    ],
+)
+def test_benchmark_refuses_a_split_it_cannot_place(argv, error, monkeypatch, capsys):
+    from openrlhf_oppo.bench.__main__ import parse
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", "/o"] + argv)
+    with pytest.raises(SystemExit):
+        parse()
+    assert error in capsys.readouterr().err
+
+
 def test_oppo_extra_reaches_the_oppo_systems_only(monkeypatch):
     """``--oppo_extra`` flags go to the OPPO systems after their own (``--extra`` to all): Delta under the
     throughput rule up to the batch, here."""
@@ -183,7 +216,9 @@ def test_benchmark_refuses_a_system_its_placement_cannot_run_before_any_runs(
 ):
     from openrlhf_oppo.bench.__main__ import parse
 
-    monkeypatch.setattr(sys, "argv", ["bench", "--out", "x", "--placement", placement, "--systems", systems])
+    gpus = "2" if placement == "split" else "1"
+    argv = ["bench", "--out", "x", "--placement", placement, "--gpus", gpus, "--systems", systems]
+    monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as exit_info:
         parse()
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -193,7 +228,8 @@ def test_benchmark_refuses_a_system_its_placement_cannot_run_before_any_runs(
 def test_benchmark_runs_by_default_every_system_its_placement_can(placement, monkeypatch):
     from openrlhf_oppo.bench.__main__ import parse
 
-    monkeypatch.setattr(sys, "argv", ["bench", "--out", "x", "--placement", placement])
+    gpus = "2" if placement == "split" else "1"
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", "x", "--placement", placement, "--gpus", gpus])
     systems = parse().systems.split(",")
     other_only = SPLIT_ONLY if placement == "colocated" else COLOCATED_ONLY
     assert systems == [s for s in SYSTEMS if s not in other_only] and "oppo-both" in systems

@@ -39,6 +39,7 @@ VARIANTS = [(script, {}, []) for script in BENCHMARKS] + [
         dict(SHAPE="qwen2.5-7b", ZERO="3", OFFLOAD="1", VLLM_UTIL="0.5", BATCH="32", DELTA="32"),
         ["--oppo_extra=--oppo.policy_logprobs", "--oppo_extra=vllm"],
     ),
+    ("bench_4gpu_split.sh", dict(SHAPE="qwen2.5-7b", ZERO="3", MODEL_GPUS="3", VLLM_UTIL="0.5", BATCH="32"), []),
     ("bench_8gpu_7b.sh", dict(ZERO="3"), ["--oppo_extra=--oppo.policy_logprobs", "--oppo_extra=vllm"]),
     ("bench_1gpu_colocated.sh", dict(PATCHED="1", SYSTEMS="upstream-sync,oppo-both-awake"), []),
     ("bench_learning.sh", dict(SEEDS="0"), ["--updates", "2"]),

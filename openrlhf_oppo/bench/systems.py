@@ -34,6 +34,7 @@ SYSTEMS = (
 )
 SPLIT_ONLY = ("upstream-async", "oppo-both-early", "oppo-both-frozen-with-models", "oppo-both-keep")
 COLOCATED_ONLY = ("oppo-both-awake",)
+FROZEN_BESIDE_VLLM = ("oppo-intra", "oppo-both", "oppo-both-early", "oppo-both-keep")
 
 
 def system_flags(system: str, placement: str, overcommit: int) -> list:
@@ -84,9 +85,13 @@ def common_flags(
     cache_budget_gb: float,
     rollout_micro_batch: int = 8,
     train_micro_batch: int = 2,
+    model_gpus: int = None,
 ) -> list:
     """Everything but the system: same models, data, lengths, batch and seed for every system."""
-    return cluster_flags(workdir, out, system, system, placement, gpus, seed, cache_budget_gb) + [
+    cluster = cluster_flags(
+        workdir, out, system, system, placement, gpus, seed, cache_budget_gb, model_gpus=model_gpus
+    )
+    return cluster + [
         "--rollout.batch_size", str(batch),
         "--rollout.n_samples_per_prompt", str(n_samples),
         "--rollout.micro_batch_size", str(rollout_micro_batch),
@@ -117,11 +122,19 @@ def cluster_flags(
     seed: int,
     cache_budget_gb: float,
     gradient_checkpointing: bool = True,
+    model_gpus: int = None,
 ) -> list:
     """Where the engines and models run, on which checkpoints (``workdir/models``), the seed and the prompt
-    order it fixes, and where the run named ``name`` logs (tensorboard ``out/tb/name``), saves and traces."""
-    model_gpus = gpus if placement == "colocated" else gpus // 2
-    engines = gpus if placement == "colocated" else gpus - model_gpus
+    order it fixes, and where the run named ``name`` logs (tensorboard ``out/tb/name``), saves and traces.
+    Split placement: ``model_gpus`` GPUs (default half) for the models, one vLLM engine on each of the others."""
+    if placement == "colocated":
+        model_gpus = engines = gpus
+    else:
+        model_gpus = model_gpus or gpus // 2
+        engines = gpus - model_gpus
+    # The OPPO systems whose reward and reference models stream put one rank of each beside every engine
+    # (--oppo.frozen_scorers_on auto); the others keep them on the models' GPUs.
+    frozen_gpus = engines if placement == "split" and system in FROZEN_BESIDE_VLLM else model_gpus
     models = f"{workdir}/models"
     flags = [
         "--vllm.num_engines", str(engines),
@@ -143,8 +156,13 @@ def cluster_flags(
     ]  # fmt: skip
     if gradient_checkpointing:
         flags.append("--actor.gradient_checkpointing_enable")
-    for role in ("actor", "critic", "reward", "ref"):
-        flags += [f"--{role}.num_nodes", "1", f"--{role}.num_gpus_per_node", str(model_gpus)]
+    for role, role_gpus in (
+        ("actor", model_gpus),
+        ("critic", model_gpus),
+        ("reward", frozen_gpus),
+        ("ref", frozen_gpus),
+    ):
+        flags += [f"--{role}.num_nodes", "1", f"--{role}.num_gpus_per_node", str(role_gpus)]
     if system.startswith("oppo"):
         flags += ["--oppo.trace_dir", f"{out}/trace/{name}"]
         if system != "oppo-inter":

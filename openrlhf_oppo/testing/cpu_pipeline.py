@@ -273,7 +273,7 @@ class CPUPipeline:
         self, args, actor_path: str, reward_path: str, engines, with_models: bool = True, ranks: int = 1, roles=ROLES
     ):
         """``roles``: the model groups to build (all four by default; ``upstream_roles(args)``: those that
-        upstream's ``train`` builds for ``args``)."""
+        upstream's ``train`` builds for ``args``); ``ranks``: each group's ranks, or a dict of them by role."""
         self.args = args
         self.strategy = get_strategy(args)
         self.tokenizer = get_tokenizer(actor_path, None, "left", self.strategy)
@@ -286,7 +286,8 @@ class CPUPipeline:
                 cls = ACTOR_CLASSES[role]
                 # ``ranks`` "nodes" of one GPU each: a group of several GPUs per node reserves them in a placement
                 # group, which never comes up on a machine without GPUs.
-                self.groups[role] = RayActorGroup(ranks, 1, cls, pg=None, num_gpus_per_actor=0)
+                count = ranks[role] if isinstance(ranks, dict) else ranks
+                self.groups[role] = RayActorGroup(count, 1, cls, pg=None, num_gpus_per_actor=0)
             ray.get(
                 [
                     ref
