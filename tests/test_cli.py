@@ -367,3 +367,19 @@ def test_critic_catch_up_auto_starts_after_the_fit_where_the_engines_score_the_p
     args = parse_args(BASE + ["--oppo.enable"] + extra)
     assert args.oppo.critic_catch_up == catch_up
     assert ("the critic's catch-up after its fit" in capsys.readouterr().out) == (catch_up == "after_fit")
+
+
+@pytest.mark.parametrize("utilization", ["0.75", "0.95"])
+def test_frozen_scorers_with_the_engines_rank_count_go_beside_vllm_or_are_refused(utilization):
+    """Three trained ranks and one engine with one reward and one reference rank (the benchmark's ``--model_gpus
+    3`` of 4): 'auto' puts them beside the engine where vLLM leaves room; where it does not, they would stay on
+    the models' GPUs with fewer ranks than the actor, which the placement cannot do."""
+    argv = SPLIT_2GPU + ["--actor.num_gpus_per_node", "3", "--critic.num_gpus_per_node", "3"]
+    argv += ["--vllm.gpu_memory_utilization", utilization]
+    if utilization == "0.95":
+        with pytest.raises(OPPOConfigError, match=r"--reward.num_gpus_per_node to the actor's \(1 and 3\)"):
+            parse_args(argv)
+        return
+    args = parse_args(argv)
+    assert args.oppo.frozen_scorers_on == "generation" and args.train.frozen_models_with_vllm
+    assert args.reward.num_gpus_per_node == args.ref.num_gpus_per_node == 1
