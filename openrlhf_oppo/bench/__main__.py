@@ -98,8 +98,7 @@ def parse():
     if args.placement == "split":
         if args.gpus < 2:
             parser.error(f"--placement split gives vLLM GPUs of its own: it needs --gpus 2 or more, got {args.gpus}")
-        args.model_gpus = args.gpus // 2 if args.model_gpus is None else args.model_gpus
-        if not 1 <= args.model_gpus < args.gpus:
+        if args.model_gpus is not None and not 1 <= args.model_gpus < args.gpus:  # None: cluster_flags' half
             parser.error(
                 f"--model_gpus {args.model_gpus}: the split placement gives the models 1 to {args.gpus - 1} of the "
                 f"--gpus {args.gpus} and vLLM the others"

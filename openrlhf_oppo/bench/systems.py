@@ -34,7 +34,9 @@ SYSTEMS = (
 )
 SPLIT_ONLY = ("upstream-async", "oppo-both-early", "oppo-both-frozen-with-models", "oppo-both-keep")
 COLOCATED_ONLY = ("oppo-both-awake",)
-FROZEN_BESIDE_VLLM = ("oppo-intra", "oppo-both", "oppo-both-early", "oppo-both-keep")
+# The OPPO systems whose reward and reference models stay on the models' GPUs in the split placement: they do not
+# stream, or are told to stay. Every other one streams them, and --oppo.frozen_scorers_on auto puts them beside vLLM.
+FROZEN_WITH_MODELS = ("oppo-inter", "oppo-both-frozen-with-models")
 
 
 def system_flags(system: str, placement: str, overcommit: int) -> list:
@@ -132,9 +134,8 @@ def cluster_flags(
     else:
         model_gpus = model_gpus or gpus // 2
         engines = gpus - model_gpus
-    # The OPPO systems whose reward and reference models stream put one rank of each beside every engine
-    # (--oppo.frozen_scorers_on auto); the others keep them on the models' GPUs.
-    frozen_gpus = engines if placement == "split" and system in FROZEN_BESIDE_VLLM else model_gpus
+    beside_vllm = placement == "split" and system.startswith("oppo") and system not in FROZEN_WITH_MODELS
+    frozen_gpus = engines if beside_vllm else model_gpus  # one reward and one reference rank beside each engine
     models = f"{workdir}/models"
     flags = [
         "--vllm.num_engines", str(engines),
