@@ -28,7 +28,7 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
             "--task", "addition", "--systems", "upstream-sync,oppo-both", "--seeds", "0",
             "--gpus", "2", "--placement", "split", "--shape", "tiny",
             "--batch", str(BATCH), "--n_samples", str(N_SAMPLES), "--steps", str(STEPS), "--overcommit", "1",
-            "--warmup_target", "0.1", "--warmup_max_steps", "600", "--digits_mean", "1.5", "--digits_high", "2",
+            "--warmup_target", "0.2", "--warmup_max_steps", "600", "--digits_mean", "1.5", "--digits_high", "2",
             "--target", "0.05", "--eval_every", "4", "--out", str(out),
         ]
     )  # fmt: skip
@@ -44,7 +44,7 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
     warm = results["task"]["warmup"]
     assert warm["reached_target"] and warm["accuracy"] > 0, warm["history"]
     again = warmup.warm_up(
-        str(out / "workload"), "tiny", 0.1, 0, dict(mean=1.5, high=2), max_steps=600, **WARMUP
+        str(out / "workload"), "tiny", 0.2, 0, dict(mean=1.5, high=2), max_steps=600, **WARMUP
     )  # fmt: skip
     assert again == warm
 
