@@ -8,7 +8,15 @@ from openrlhf.utils import deepspeed
 
 from openrlhf_oppo.bench import addition, learning
 from openrlhf_oppo.bench.learning import LEARNING_SYSTEMS
-from openrlhf_oppo.bench.systems import COLOCATED_ONLY, SPLIT_ONLY, SYSTEMS, common_flags, system_flags
+from openrlhf_oppo.bench.systems import (
+    AWAKE,
+    COLOCATED_ONLY,
+    INTER_ONLY,
+    SPLIT_ONLY,
+    SYSTEMS,
+    common_flags,
+    system_flags,
+)
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
 
@@ -34,16 +42,34 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
     assert args.oppo.colocate_models == (placement == "split" and system != "upstream-async")
     if system.startswith("oppo"):
         assert args.oppo.inter_step == (system != "oppo-intra")
-        assert args.oppo.top_up == ("step_end" if system in ("oppo-both-early", "oppo-both-awake") else "step_start")
-        assert args.vllm.enable_sleep == (placement == "colocated" and system != "oppo-both-awake")
-        assert args.oppo.colocated_decode == ("continue" if system == "oppo-both-awake" else "pause")
-        assert bool(args.oppo.streamed_roles) == (system != "oppo-inter")
+        assert args.oppo.top_up == ("step_end" if system in ("oppo-both-early",) + AWAKE else "step_start")
+        assert args.vllm.enable_sleep == (placement == "colocated" and system not in AWAKE)
+        assert args.oppo.colocated_decode == ("continue" if system in AWAKE else "pause")
+        assert bool(args.oppo.streamed_roles) == (system not in INTER_ONLY)
         # The frozen models go beside vLLM wherever they stream in the split placement.
         beside_vllm = placement == "split" and system not in ("oppo-inter", "oppo-both-frozen-with-models")
         assert args.oppo.frozen_scorers_on == ("generation" if beside_vllm else "models")
         assert args.oppo.carry_kv == ("keep" if system == "oppo-both-keep" else "recompute")
     if placement == "split":
         assert args.vllm.num_engines == gpus // 2 and args.actor.num_gpus_per_node == gpus // 2
+
+
+@pytest.mark.parametrize("system", ["upstream-sync", "oppo-both", "oppo-both-awake", "oppo-inter-awake"])
+def test_colocated_models_keep_their_states_on_the_gpu_without_ds_sleep(system, monkeypatch):
+    """``--ds_sleep off``: every colocated system runs without --ds.enable_sleep, and only that changes."""
+    from openrlhf_oppo.bench.__main__ import parse, system_command
+
+    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
+    commands = {}
+    for ds_sleep in ("on", "off"):
+        monkeypatch.setattr(sys, "argv", ["bench", "--out", "/o", "--systems", system, "--ds_sleep", ds_sleep])
+        args = parse()
+        args.scratch = "/o"
+        commands[ds_sleep] = system_command(args, system, "/w", 16)
+    assert [flag for flag in commands["on"] if flag not in commands["off"]] == ["--ds.enable_sleep"]
+    args = parse_args(commands["off"])
+    assert args.train.colocate_all and not args.ds.enable_sleep
+    assert args.vllm.enable_sleep == (system not in AWAKE)
 
 
 def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch):
@@ -82,6 +108,7 @@ def test_models_on_three_gpus_and_vllm_on_one(system, monkeypatch):
         (["--gpus", "4", "--placement", "split", "--model_gpus", "0"], "1 to 3 of the --gpus 4"),
         (["--gpus", "1", "--placement", "colocated", "--model_gpus", "1"], "is for --placement split"),
         (["--gpus", "1", "--placement", "split"], "needs --gpus 2 or more"),
+        (["--gpus", "2", "--placement", "split", "--ds_sleep", "off"], "--ds_sleep is for --placement colocated"),
     ],
 )
 def test_benchmark_refuses_a_split_it_cannot_place(argv, error, monkeypatch, capsys):
@@ -209,6 +236,7 @@ def test_a_system_run_again_reads_its_own_steps_only(tmp_path, monkeypatch):
     [
         ("colocated", "upstream-sync,upstream-async", "upstream-async needs GPUs of its own"),
         ("split", "oppo-both-awake", "use --placement colocated"),
+        ("split", "oppo-inter-awake", "use --placement colocated"),
     ],
 )
 def test_benchmark_refuses_a_system_its_placement_cannot_run_before_any_runs(

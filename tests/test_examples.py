@@ -42,6 +42,11 @@ VARIANTS = [(script, {}, []) for script in BENCHMARKS] + [
     ("bench_4gpu_split.sh", dict(SHAPE="qwen2.5-7b", ZERO="3", MODEL_GPUS="3", VLLM_UTIL="0.5", BATCH="32"), []),
     ("bench_8gpu_7b.sh", dict(ZERO="3"), ["--oppo_extra=--oppo.policy_logprobs", "--oppo_extra=vllm"]),
     ("bench_1gpu_colocated.sh", dict(PATCHED="1", SYSTEMS="upstream-sync,oppo-both-awake"), []),
+    (
+        "bench_1gpu_colocated.sh",
+        dict(PATCHED="1", SYSTEMS="upstream-sync,oppo-inter-awake"),
+        ["--ds_sleep", "off", "--oppo_extra=--vllm.gpu_memory_utilization", "--oppo_extra=0.25"],
+    ),
     ("bench_learning.sh", dict(SEEDS="0"), ["--updates", "2"]),
 ]
 

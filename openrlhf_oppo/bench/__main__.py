@@ -52,6 +52,14 @@ def parse():
         help="split placement: GPUs for the policy and critic (and the baselines' reward and reference models); "
         "each of the others runs one vLLM engine (default: half of --gpus)",
     )
+    parser.add_argument(
+        "--ds_sleep",
+        choices=["on", "off"],
+        default="on",
+        help="colocated placement: 'on' (upstream's hybrid engine) takes the models' DeepSpeed states off the GPU "
+        "while vLLM generates (--ds.enable_sleep); 'off' keeps them there, in every system, where the GPU holds them "
+        "beside vLLM's share",
+    )
     parser.add_argument("--shape", default="qwen2.5-1.5b")
     parser.add_argument("--batch", type=int, default=32, help="--rollout.batch_size (prompt groups per step)")
     parser.add_argument("--n_samples", type=int, default=1)
@@ -105,6 +113,8 @@ def parse():
             )
     elif args.model_gpus is not None:
         parser.error("--model_gpus is for --placement split: colocated runs every model and engine on every GPU")
+    if args.placement == "split" and args.ds_sleep == "off":
+        parser.error("--ds_sleep is for --placement colocated: split keeps the models' states on their GPUs anyway")
     return args
 
 
@@ -165,7 +175,7 @@ def system_command(args, system: str, workdir: str, overcommit: int) -> list:
         args.train_micro_batch,
         args.model_gpus,
     )
-    own = system_flags(system, args.placement, overcommit)
+    own = system_flags(system, args.placement, overcommit, ds_sleep=args.ds_sleep == "on")
     return shared + own + args.extra + (args.oppo_extra if system.startswith("oppo") else [])
 
 

@@ -7,7 +7,8 @@ that is upstream OpenRLHF (``--bench.lengths_from_label`` only fixes the respons
   express this with fewer than three GPU groups, so the synchronous systems use
   ``--oppo.colocate_models`` (with OPPO off for the baseline); upstream's async trainer gets the same
   placement from ``--train.colocate_all``, which in async mode places only the DeepSpeed models together.
-* ``colocated``: everything on every GPU, upstream's hybrid engine (vLLM and DeepSpeed sleep in turn).
+* ``colocated``: everything on every GPU, upstream's hybrid engine (vLLM and DeepSpeed sleep in turn). With
+  ``ds_sleep=False`` the models' DeepSpeed states stay on the GPU in every system (no ``--ds.enable_sleep``).
 
 In the split placement the OPPO systems put the reward and reference models on the vLLM GPUs
 (``--oppo.frozen_scorers_on auto``); ``oppo-both-frozen-with-models`` keeps them with the other models, as
@@ -16,9 +17,12 @@ prompts start decoding during training (split placement only). ``oppo-both-keep`
 ``--oppo.carry_kv keep``: carried requests keep the KV cache computed with the previous weights (split placement
 only: the colocated engines sleep, which drops it). ``oppo-both-awake`` (colocated placement only) keeps vLLM
 awake through training (no ``--vllm.enable_sleep``), its carried requests and the next step's prompts decoding
-beside the models' training (``--oppo.colocated_decode continue --oppo.top_up step_end``). Every system gets the
-same vLLM memory share, small enough for the frozen models to fit beside the engines (``oppo-both-awake`` may
-need a smaller one, through ``--oppo_extra``, to leave training its room).
+beside the models' training (``--oppo.colocated_decode continue --oppo.top_up step_end``). ``oppo-inter-awake`` is
+the same without intra-step streaming, as ``--oppo.intra_step auto`` decides under ``--train.colocate_all``: the
+groups a step trains finished decoding during the previous training, when the models could not score their
+chunks, so nothing is left for streaming to hide. Every system gets the same vLLM memory share, small enough for
+the frozen models to fit beside the engines (the awake systems may need a smaller one, through ``--oppo_extra``,
+to leave training its room).
 """
 
 SYSTEMS = (
@@ -31,15 +35,20 @@ SYSTEMS = (
     "oppo-both-frozen-with-models",
     "oppo-both-keep",
     "oppo-both-awake",
+    "oppo-inter-awake",
 )
 SPLIT_ONLY = ("upstream-async", "oppo-both-early", "oppo-both-frozen-with-models", "oppo-both-keep")
-COLOCATED_ONLY = ("oppo-both-awake",)
+# vLLM awake through training (colocated), its requests decoding beside the models' training.
+AWAKE = ("oppo-both-awake", "oppo-inter-awake")
+DECODE_BESIDE_TRAINING = ["--oppo.colocated_decode", "continue", "--oppo.top_up", "step_end"]
+COLOCATED_ONLY = AWAKE
 # The OPPO systems whose reward and reference models stay on the models' GPUs in the split placement: they do not
 # stream, or are told to stay. Every other one streams them, and --oppo.frozen_scorers_on auto puts them beside vLLM.
-FROZEN_WITH_MODELS = ("oppo-inter", "oppo-both-frozen-with-models")
+INTER_ONLY = ("oppo-inter", "oppo-inter-awake")  # no intra-step streaming
+FROZEN_WITH_MODELS = INTER_ONLY + ("oppo-both-frozen-with-models",)
 
 
-def system_flags(system: str, placement: str, overcommit: int) -> list:
+def system_flags(system: str, placement: str, overcommit: int, ds_sleep: bool = True) -> list:
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     colocated = placement == "colocated"
@@ -51,7 +60,9 @@ def system_flags(system: str, placement: str, overcommit: int) -> list:
         return ["--train.async_enable", "--train.partial_rollout_enable", "--train.colocate_all"]
 
     flags = ["--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep"] if colocated else []
-    if system == "oppo-both-awake":
+    if colocated and not ds_sleep:
+        flags.remove("--ds.enable_sleep")
+    if system in AWAKE:
         flags.remove("--vllm.enable_sleep")
     if system == "upstream-sync":
         return flags + ([] if colocated else ["--oppo.colocate_models"])
@@ -60,6 +71,8 @@ def system_flags(system: str, placement: str, overcommit: int) -> list:
         return flags + ["--oppo.intra_step", "on", "--oppo.overcommit", "0"]
     if system == "oppo-inter":
         return flags + ["--oppo.intra_step", "off", "--oppo.overcommit", str(overcommit)]
+    if system == "oppo-inter-awake":
+        return flags + ["--oppo.intra_step", "off", "--oppo.overcommit", str(overcommit)] + DECODE_BESIDE_TRAINING
     flags += ["--oppo.intra_step", "on", "--oppo.overcommit", str(overcommit)]
     if system == "oppo-both-early":
         flags += ["--oppo.top_up", "step_end"]
@@ -68,7 +81,7 @@ def system_flags(system: str, placement: str, overcommit: int) -> list:
     if system == "oppo-both-keep":
         flags += ["--oppo.carry_kv", "keep"]
     if system == "oppo-both-awake":
-        flags += ["--oppo.colocated_decode", "continue", "--oppo.top_up", "step_end"]
+        flags += DECODE_BESIDE_TRAINING
     return flags
 
 
@@ -166,6 +179,6 @@ def cluster_flags(
         flags += [f"--{role}.num_nodes", "1", f"--{role}.num_gpus_per_node", str(role_gpus)]
     if system.startswith("oppo"):
         flags += ["--oppo.trace_dir", f"{out}/trace/{name}"]
-        if system != "oppo-inter":
+        if system not in INTER_ONLY:
             flags += ["--oppo.cache_budget_gb", str(cache_budget_gb)]
     return flags
