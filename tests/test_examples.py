@@ -45,7 +45,7 @@ VARIANTS = [(script, {}, []) for script in BENCHMARKS] + [
     (
         "bench_1gpu_colocated.sh",
         dict(PATCHED="1", SYSTEMS="upstream-sync,oppo-inter-awake"),
-        ["--ds_sleep", "off", "--oppo_extra=--vllm.gpu_memory_utilization", "--oppo_extra=0.25"],
+        ["--ds_sleep", "off", "--extra=--vllm.gpu_memory_utilization", "--extra=0.25"],
     ),
     ("bench_learning.sh", dict(SEEDS="0"), ["--updates", "2"]),
 ]
