@@ -51,6 +51,7 @@ def test_there_are_patches():
         "0009",
         "0010",
         "0011",
+        "0012",
     ]
 
 
@@ -383,3 +384,36 @@ def test_patched_model_actors_give_cpu_adam_the_hosts_cores(patched):
     )
     cores = len(os.sched_getaffinity(0))
     assert out.splitlines()[-2:] == [f"True 1 {cores}", "False 1 1"]
+
+
+def test_patched_rollout_actor_leaves_the_text_to_those_that_read_it(patched):
+    """Patch 0012: the detokenize flag upstream's ``RolloutRayActor.generate`` hands vLLM, for the single-turn
+    executor (which decodes the token ids itself), with stop strings (matched on the text), and for a
+    multi-turn agent (which reads the text). The engine's outputs under each flag are compared in
+    test_streaming_pipeline.py."""
+    out = run(
+        patched,
+        """
+        import asyncio
+        from types import SimpleNamespace
+        from vllm import SamplingParams
+        from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+        from openrlhf.utils.agent import MultiTurnAgentExecutor, SingleTurnAgentExecutor
+
+        class Recorder:  # what the actor hands vLLM's generate
+            async def generate(self, prompt, params, request_id):
+                self.detokenize = params.detokenize
+                yield "output"
+
+        async def detokenize(executor, params):
+            actor = SimpleNamespace(executor=executor, llm=Recorder(), _mm_pad_token_ids=None)
+            await RolloutRayActor.__ray_actor_class__.generate(actor, [1, 2, 3], params)
+            return actor.llm.detokenize
+
+        single, multi = SingleTurnAgentExecutor(), MultiTurnAgentExecutor.__new__(MultiTurnAgentExecutor)
+        print(asyncio.run(detokenize(single, SamplingParams(max_tokens=4))),
+              asyncio.run(detokenize(single, SamplingParams(max_tokens=4, stop=["</answer>"]))),
+              asyncio.run(detokenize(multi, SamplingParams(max_tokens=4))))
+        """,
+    )
+    assert out.split()[-3:] == ["False", "True", "True"]

@@ -107,6 +107,47 @@ def test_streamed_tokens_and_logprobs_equal_upstream_generate(engine, connected,
     assert streamed["truncated"] is (upstream.outputs[0].finish_reason == "length")
 
 
+def test_streamed_requests_leave_the_text_to_those_that_read_it(grading_engine, connected, pipeline):
+    """vLLM detokenizes in the rollout actor's process, whose event loop also answers the trainer. Upstream's
+    single-turn executor never reads the text, so the streamed path asks vLLM not to make it (the test above:
+    tokens and log-probs unchanged), unless stop strings need it or another executor (here the grading one, a
+    subclass) may read it."""
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    connected(5)
+    plain = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    stop = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, stop=["never said"])
+    ray.get(grading_engine.record_detokenize.remote())
+    try:
+        ray.get(grading_engine.generate_responses.remote("the a of", "7", plain, 256, pipeline.tokenizer, 1))
+        ray.get(
+            grading_engine.__ray_call__.remote(lambda actor: setattr(actor, "executor", SingleTurnAgentExecutor()))
+        )
+        for params in (plain, stop):
+            ray.get(grading_engine.generate_responses.remote("the a of", "7", params, 256, pipeline.tokenizer, 1))
+    finally:
+        flags = ray.get(grading_engine.record_detokenize.remote(False))
+    assert flags == [True, False, True]
+
+
+def test_the_trainers_hold_and_flush_are_answered_while_the_event_loop_is_busy(engine, connected):
+    """The rollout actor's event loop also runs vLLM's output handler and every request, and falls behind when a
+    batch of requests goes in; the trainer's hold and flush run on a thread of their own. Here the loop is
+    blocked outright for 20 s, and they are answered; a call on the loop waits for it."""
+    connected(5)
+    busy = engine.__ray_call__.remote(lambda actor: time.sleep(20))
+    time.sleep(1)  # the loop is in the sleep now
+    try:
+        ray.get(
+            [engine.oppo_hold.remote(["critic"]), engine.oppo_flush.remote(), engine.oppo_hold.remote([])], timeout=10
+        )
+        on_the_loop = engine.oppo_in_flight.remote()
+        assert ray.wait([on_the_loop], timeout=1)[0] == []
+    finally:
+        ray.get(busy)
+    assert ray.get(on_the_loop) == {}
+
+
 def scorer_stats(pipeline):
     return {role: ranks[0] for role, ranks in pipeline.coordinator.stats().items()}
 

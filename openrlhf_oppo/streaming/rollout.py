@@ -10,17 +10,22 @@ The same actor also keeps requests across weight updates for inter-step overlap 
 sleep without aborting) and salts prompts with the weight version so that no prefix-cache entry
 computed with old weights serves a new request. With ``--oppo.policy_logprobs vllm`` it also scores the
 policy's log-probs of its finished samples itself (``engine_logprobs``).
+
+The trainer's calls on its critical path (``oppo_hold``, ``oppo_flush``) run in a concurrency group of their
+own, on a thread of their own: the actor's event loop also runs vLLM's output handler and every request's
+coroutine, and while a batch of new requests goes in it can be hundreds of milliseconds behind.
 """
 
 import asyncio
 import contextvars
+import threading
 import time
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import ray
-from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+from openrlhf.trainer.ray.vllm_engine import RolloutRayActor, SingleTurnAgentExecutor
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
@@ -35,6 +40,9 @@ from openrlhf_oppo.weight_sync import WeightSyncRolloutMixin
 _CURRENT_SAMPLE: contextvars.ContextVar[Optional["SampleStream"]] = contextvars.ContextVar(
     "sample_stream", default=None
 )
+# The trainer's calls on its critical path run on a thread of their own (see the module's docstring).
+CONTROL = "control"
+CONCURRENCY_GROUPS = {CONTROL: 1}
 
 
 @dataclass
@@ -74,49 +82,59 @@ class ChunkOutbox:
         self._load = {role: [0] * len(ranks) for role, ranks in scorers.items()}  # per rank, see ``assign``
         self._queues: Dict[tuple, List[Chunk]] = {}
         self._in_flight: Dict[tuple, set] = {}
+        # ``hold`` and ``flush`` come from the trainer on the control thread (``CONTROL``), the rest on the event
+        # loop's: the lock guards the queues, the calls in flight and the held roles.
+        self._lock = threading.Lock()
+        self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+        self._flusher = self._loop.create_task(self._flush_loop())
 
     def assign(self, chunk_size: int) -> Dict[str, int]:
         """The rank of each role that will score a new sequence (of chunks of ``chunk_size`` tokens)."""
-        ranks = {
-            role: self.pinned[role] if role in self.pinned else load.index(min(load))
-            for role, load in self._load.items()
-        }
-        for role, rank in ranks.items():
-            self._load[role][rank] += chunk_size
+        with self._lock:
+            ranks = {
+                role: self.pinned[role] if role in self.pinned else load.index(min(load))
+                for role, load in self._load.items()
+            }
+            for role, rank in ranks.items():
+                self._load[role][rank] += chunk_size
         return ranks
 
     def put(self, chunk: Chunk, ranks: Dict[str, int]) -> None:
-        for role, rank in ranks.items():
-            self._queues.setdefault((role, rank), []).append(chunk)
-            self._load[role][rank] += len(chunk.tokens)
+        with self._lock:
+            for role, rank in ranks.items():
+                self._queues.setdefault((role, rank), []).append(chunk)
+                self._load[role][rank] += len(chunk.tokens)
         self._wake.set()
 
     def finished(self, ranks: Dict[str, int], tokens: int, chunk_size: int) -> None:
         """A sequence of ``tokens`` tokens sent its last chunk: it no longer loads its ranks."""
-        for role, rank in ranks.items():
-            self._load[role][rank] -= tokens + chunk_size
+        with self._lock:
+            for role, rank in ranks.items():
+                self._load[role][rank] -= tokens + chunk_size
 
     def hold(self, roles) -> None:
-        """Queue the chunks of ``roles`` until they are released (an empty list releases them all)."""
-        self.held = set(roles)
-        self._wake.set()  # whatever waited goes now, if released
+        """Queue the chunks of ``roles`` until they are released (an empty list releases them all). Once this
+        returns, no call goes to a held role until ``flush`` sends one (from any thread)."""
+        with self._lock:
+            self.held = set(roles)
+        self._loop.call_soon_threadsafe(self._wake.set)  # whatever waited goes now, if released
 
     def flush(self, uids=None) -> List[Tuple[str, ray.ObjectRef]]:
         """Send the queued chunks of ``uids`` (all if None) now, held or not; return every call not yet done,
-        with the scoring actor it went to (``"reward rank 1"``)."""
-        for key in list(self._queues):
-            if uids is None:
+        with the scoring actor it went to (``"reward rank 1"``). Safe from any thread."""
+        with self._lock:
+            for key in list(self._queues):
+                if uids is None:
+                    self._send(key)
+                    continue
+                now = [chunk for chunk in self._queues[key] if chunk.uid in uids]
+                later = [chunk for chunk in self._queues[key] if chunk.uid not in uids]
+                self._queues[key] = now
                 self._send(key)
-                continue
-            now = [chunk for chunk in self._queues[key] if chunk.uid in uids]
-            later = [chunk for chunk in self._queues[key] if chunk.uid not in uids]
-            self._queues[key] = now
-            self._send(key)
-            if later:
-                self._queues[key] = later
-        return [(f"{role} rank {rank}", ref) for (role, rank), refs in self._in_flight.items() for ref in refs]
+                if later:
+                    self._queues[key] = later
+            return [(f"{role} rank {rank}", ref) for (role, rank), refs in self._in_flight.items() for ref in refs]
 
     async def _flush_loop(self):
         while True:
@@ -124,25 +142,28 @@ class ChunkOutbox:
             self._wake.clear()
             # The chunks of one engine step arrive together: give the rest of them a moment.
             await asyncio.sleep(self.flush_interval_s)
-            for key in list(self._queues):
-                if key[0] not in self.held and len(self._in_flight.get(key, ())) < self.calls_in_flight:
-                    self._send(key)
+            with self._lock:
+                for key in list(self._queues):
+                    if key[0] not in self.held and len(self._in_flight.get(key, ())) < self.calls_in_flight:
+                        self._send(key)
 
     def _send(self, key) -> None:
+        """One prefill call with the queued chunks of ``key`` (under the lock)."""
         chunks = self._queues.pop(key, None)
         if not chunks:
             return
         role, rank = key
         ref = self.scorers[role][rank].oppo_prefill.remote(chunks)
         self._in_flight.setdefault(key, set()).add(ref)
-        asyncio.get_running_loop().create_task(self._landed(key, ref))
+        asyncio.run_coroutine_threadsafe(self._landed(key, ref), self._loop)
 
     async def _landed(self, key, ref):
         try:
             await ref
         except Exception:  # noqa: BLE001 - the trainer sees the error when it waits on the call
             pass
-        self._in_flight[key].discard(ref)
+        with self._lock:
+            self._in_flight[key].discard(ref)
         self._wake.set()  # chunks that waited for this call go now
 
     def close(self):
@@ -227,6 +248,7 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
     sync (``weight_sync``)."""
 
     async def __init__(self, *args, oppo_config: Optional[dict] = None, **kwargs):
+        self.loop = asyncio.get_running_loop()  # the actor's event loop (the control calls run on another)
         self.oppo_config = RolloutConfig(**(oppo_config or {}))
         # Chunks are cut from the engine's outputs, at most the smallest chunk apart (config checks it): an output
         # every ``stream_interval`` tokens of a request (vLLM's --stream-interval; the first and last tokens come at
@@ -291,12 +313,14 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
     def oppo_set_chunk_size(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
 
+    @ray.method(concurrency_group=CONTROL)
     def oppo_hold(self, roles) -> None:
         """Keep the chunks of ``roles`` queued; send the others' as they come (``[]`` releases all)."""
         if self.outbox is not None:
             self.outbox.hold(roles)
         if self.policy_logprobs is not None:
-            self.policy_logprobs.hold("policy" in roles)
+            # Its scoring tasks live on the event loop; a score started meanwhile is redone if the weights change.
+            self.loop.call_soon_threadsafe(self.policy_logprobs.hold, "policy" in roles)
 
     # -- the policy's log-probs, where this engine scores them (the policy role's "rank" is the engine) --
 
@@ -309,6 +333,7 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
     def oppo_stats(self) -> ScorerStats:
         return self.policy_logprobs.stats()
 
+    @ray.method(concurrency_group=CONTROL)
     def oppo_flush(self, uids=None) -> List[Tuple[str, ray.ObjectRef]]:
         """Send the queued chunks of ``uids`` (all if None) now; return the prefill calls still running, each
         with the scoring actor it went to (wait on them before collecting scores)."""
@@ -419,6 +444,12 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
             prompt["multi_modal_data"] = multi_modal_data
         params = deepcopy(sampling_params)
         params.output_kind = RequestOutputKind.DELTA
+        if type(self.executor) is SingleTurnAgentExecutor and not params.stop:
+            # vLLM detokenizes every token of every request in this process, whose event loop also answers the
+            # trainer's calls. Upstream's single-turn executor reads the token ids only (it decodes them itself
+            # for the reward): skip it, as patch 0012 does upstream. Stop strings are matched on the text, and
+            # other executors (multi-turn agents) may read it.
+            params.detokenize = False
 
         stream.begin_turn(prompt_token_ids, self.weight_version)
         token_ids, logprobs, text = [], [], []
@@ -475,4 +506,4 @@ class BoundActorClass:
         return self.actor_class.remote(*args, **kwargs, **self.extra_kwargs)
 
 
-OPPORolloutRayActor = ray.remote(OPPORolloutActor)
+OPPORolloutRayActor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(OPPORolloutActor)

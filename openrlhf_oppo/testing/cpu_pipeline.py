@@ -31,7 +31,7 @@ from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
 from openrlhf_oppo.protocol import ROLES
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming import actors
-from openrlhf_oppo.streaming.rollout import OPPORolloutActor
+from openrlhf_oppo.streaming.rollout import CONCURRENCY_GROUPS, OPPORolloutActor
 from openrlhf_oppo.weight_sync import OPPOWorkerWrap
 
 
@@ -210,7 +210,7 @@ class CPUWorkerWrap(OPPOWorkerWrap):
             self._oppo_reloading = False
 
 
-@ray.remote
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class CPURolloutActor(OPPORolloutActor):
     async def load_weights(self, path: str) -> None:
         """Load new weights through ``collective_rpc`` (pause the engine around it, as the trainer does)."""
@@ -219,6 +219,21 @@ class CPURolloutActor(OPPORolloutActor):
     async def collective_rpc(self, method, args=()):
         """Run ``method`` (a worker method's name, or a function of the worker) on the engine's workers."""
         return await self.llm.collective_rpc(method, args=args)
+
+    def record_detokenize(self, on: bool = True) -> list:
+        """Keep the ``detokenize`` flag of every request handed to vLLM from now on (``on``), or stop; returns the
+        flags kept so far."""
+        flags = self.__dict__.get("detokenize_flags", [])
+        self.llm.__dict__.pop("generate", None)  # the engine's own method again
+        if on:
+            generate, self.detokenize_flags = self.llm.generate, []
+
+            def recording(prompt, params, *args, **kwargs):
+                self.detokenize_flags.append(params.detokenize)
+                return generate(prompt, params, *args, **kwargs)
+
+            self.llm.generate = recording
+        return flags
 
     async def delta_runs(self, prompt_token_ids, sampling_params) -> list:
         """The token ids of each output of one DELTA request, as the engine hands them over."""
