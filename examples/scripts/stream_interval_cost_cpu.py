@@ -121,7 +121,8 @@ def main():
                 f"process used {run['actor_cpu_s']:.2f} CPU s ({run['actor_cpu_ms_per_1k_tokens']:.1f} ms per 1000 "
                 f"tokens); calls answered in {run['call_answered_p50_s'] * 1000:.1f} ms (median), "
                 f"{run['call_answered_max_s'] * 1000:.0f} ms at most; the trainer's calls in "
-                f"{run['control_call_answered_p50_s'] * 1000:.1f} ms, {run['control_call_answered_max_s'] * 1000:.0f} ms",
+                f"{run['control_call_answered_p50_s'] * 1000:.1f} ms, "
+                f"{run['control_call_answered_max_s'] * 1000:.0f} ms",
                 flush=True,
             )
     ray.shutdown()

@@ -104,6 +104,10 @@ def parse():
         except ValueError as error:
             parser.error(str(error))
     if args.placement == "split":
+        if args.ds_sleep == "off":
+            parser.error(
+                "--ds_sleep is for --placement colocated: split keeps the models' states on their GPUs anyway"
+            )
         if args.gpus < 2:
             parser.error(f"--placement split gives vLLM GPUs of its own: it needs --gpus 2 or more, got {args.gpus}")
         if args.model_gpus is not None and not 1 <= args.model_gpus < args.gpus:  # None: cluster_flags' half
@@ -113,8 +117,6 @@ def parse():
             )
     elif args.model_gpus is not None:
         parser.error("--model_gpus is for --placement split: colocated runs every model and engine on every GPU")
-    if args.placement == "split" and args.ds_sleep == "off":
-        parser.error("--ds_sleep is for --placement colocated: split keeps the models' states on their GPUs anyway")
     return args
 
 

@@ -42,9 +42,9 @@ SPLIT_ONLY = ("upstream-async", "oppo-both-early", "oppo-both-frozen-with-models
 AWAKE = ("oppo-both-awake", "oppo-inter-awake")
 DECODE_BESIDE_TRAINING = ["--oppo.colocated_decode", "continue", "--oppo.top_up", "step_end"]
 COLOCATED_ONLY = AWAKE
+INTER_ONLY = ("oppo-inter", "oppo-inter-awake")  # no intra-step streaming
 # The OPPO systems whose reward and reference models stay on the models' GPUs in the split placement: they do not
 # stream, or are told to stay. Every other one streams them, and --oppo.frozen_scorers_on auto puts them beside vLLM.
-INTER_ONLY = ("oppo-inter", "oppo-inter-awake")  # no intra-step streaming
 FROZEN_WITH_MODELS = INTER_ONLY + ("oppo-both-frozen-with-models",)
 
 
@@ -69,18 +69,15 @@ def system_flags(system: str, placement: str, overcommit: int, ds_sleep: bool = 
     flags += ["--oppo.enable"] + ([] if colocated else ["--oppo.colocate_models"])
     if system == "oppo-intra":
         return flags + ["--oppo.intra_step", "on", "--oppo.overcommit", "0"]
-    if system == "oppo-inter":
-        return flags + ["--oppo.intra_step", "off", "--oppo.overcommit", str(overcommit)]
-    if system == "oppo-inter-awake":
-        return flags + ["--oppo.intra_step", "off", "--oppo.overcommit", str(overcommit)] + DECODE_BESIDE_TRAINING
-    flags += ["--oppo.intra_step", "on", "--oppo.overcommit", str(overcommit)]
+    intra_step = "off" if system in INTER_ONLY else "on"
+    flags += ["--oppo.intra_step", intra_step, "--oppo.overcommit", str(overcommit)]
     if system == "oppo-both-early":
         flags += ["--oppo.top_up", "step_end"]
     if system == "oppo-both-frozen-with-models":
         flags += ["--oppo.frozen_scorers_on", "models"]
     if system == "oppo-both-keep":
         flags += ["--oppo.carry_kv", "keep"]
-    if system == "oppo-both-awake":
+    if system in AWAKE:
         flags += DECODE_BESIDE_TRAINING
     return flags
 
