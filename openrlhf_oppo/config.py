@@ -163,19 +163,21 @@ OPTIONS = {
             "start with the newest weights. 'step_end': they start before training, so that the vLLM GPUs decode "
             "through training (and the weight sync, where it is staged), as in upstream's async mode (their "
             "tokens before the update come from the previous policy); needs vLLM apart from the models (not "
-            "--train.colocate_all), or --oppo.colocated_decode continue. Their chunks are scored only once "
-            "training frees the models' GPUs. Logged as oppo/topped_up_at_step_end.",
+            "--train.colocate_all), or --oppo.colocated_decode continue or during_training. Their chunks are "
+            "scored only once training frees the models' GPUs. Logged as oppo/topped_up_at_step_end.",
         ),
         "step_start",
     ),
     "colocated_decode": (
         dict(
-            choices=["pause", "continue"],
-            help="What carried requests do while the models train on the engines' own GPUs (--train.colocate_all "
-            "with vLLM awake: no --vllm.enable_sleep). 'pause': they wait until the weight sync, as the GPU is "
-            "the models' then. 'continue': they keep decoding beside training, and with --oppo.top_up step_end the "
-            "next step's prompts start there too, so that the next step finds more groups done "
-            "(oppo/groups_done_at_start) at the cost of sharing the GPU with training. The engines keep their "
+            choices=["pause", "during_training", "continue"],
+            help="What carried requests do while the models make experiences and train on the engines' own GPUs "
+            "(--train.colocate_all with vLLM awake: no --vllm.enable_sleep). 'pause': they wait until the weight "
+            "sync, as the GPU is the models' then. 'during_training': they wait while the step makes its "
+            "experiences, which training waits for, and decode beside training (oppo/decoding_paused_s). "
+            "'continue': they keep decoding throughout. With either of the last two, --oppo.top_up step_end starts "
+            "the next step's prompts there too, so that the next step finds more groups done "
+            "(oppo/groups_done_at_start) at the cost of sharing the GPU with the models. The engines keep their "
             "memory through training: leave the models room with --vllm.gpu_memory_utilization.",
         ),
         "pause",
@@ -488,8 +490,8 @@ def _check_oppo(args, given) -> None:
         raise OPPOConfigError(
             "--oppo.top_up step_end starts the next step's prompts during training, so it needs inter-step overlap "
             "(--oppo.overcommit > 0 or auto) and vLLM engines that decode through training: on GPUs of their own, "
-            "or under --train.colocate_all awake (no --vllm.enable_sleep) with --oppo.colocated_decode continue "
-            "(otherwise they wait or sleep through training). Use --oppo.top_up step_start there."
+            "or under --train.colocate_all awake (no --vllm.enable_sleep) with --oppo.colocated_decode continue or "
+            "during_training (otherwise they wait or sleep through training). Use --oppo.top_up step_start there."
         )
     if oppo.critic_catch_up == "after_fit" and (args.train.colocate_all or args.ds.enable_sleep):
         raise OPPOConfigError(
@@ -743,11 +745,17 @@ def engines_decode_through_sync(args) -> bool:
     return not args.train.colocate_all and not args.vllm.enable_sleep
 
 
-def pauses_carried_requests_in_training(args) -> bool:
-    """Whether the engines pause their carried requests while the models train: where they share the models'
-    GPUs awake (``--train.colocate_all``, no ``--vllm.enable_sleep``), unless ``--oppo.colocated_decode
+def pauses_carried_requests_after_generation(args) -> bool:
+    """Whether the engines pause their carried requests when a step's groups are done: where they share the
+    models' GPUs awake (``--train.colocate_all``, no ``--vllm.enable_sleep``), unless ``--oppo.colocated_decode
     continue``. Asleep they decode nothing anyway; on GPUs of their own they always decode."""
-    return args.train.colocate_all and not args.vllm.enable_sleep and args.oppo.colocated_decode == "pause"
+    return args.train.colocate_all and not args.vllm.enable_sleep and args.oppo.colocated_decode != "continue"
+
+
+def resumes_carried_requests_for_training(args) -> bool:
+    """Whether the paused engines decode again once the step's experiences are made (``--oppo.colocated_decode
+    during_training``): the models' forward passes, which training waits for, get the GPU to themselves."""
+    return pauses_carried_requests_after_generation(args) and args.oppo.colocated_decode == "during_training"
 
 
 def describe(args) -> str:
@@ -765,7 +773,8 @@ def describe(args) -> str:
             f"overcommit {oppo.overcommit} (start {oppo.overcommit_initial}), carry_kv {oppo.carry_kv}, "
             f"top-up at {oppo.top_up.replace('_', ' ')}"
             + (", the critic's catch-up after its fit" if oppo.critic_catch_up == "after_fit" else "")
-            + (", decoding beside training" if oppo.colocated_decode == "continue" else "")
+            + (", decoding beside training" if oppo.colocated_decode != "pause" else "")
+            + (" (not beside making experiences)" if oppo.colocated_decode == "during_training" else "")
         )
     if oppo.policy_logprobs == "vllm" and "policy" in oppo.streamed_roles:
         parts.append("the policy's log-probs from vLLM")

@@ -90,6 +90,7 @@ class StreamCoordinator:
         self.timeout_s = timeout_s
         self.beside_vllm = tuple(beside_vllm)
         self.held: List[str] = []  # the roles whose chunks queue (``hold``)
+        self.paused_at = time.time()
         self.tokenizer_sent = False
 
     @property
@@ -163,6 +164,12 @@ class StreamCoordinator:
     def pause(self, clear_cache: bool) -> None:
         """Freeze every request in every engine; ``clear_cache`` drops their KV (re-prefilled on resume)."""
         self._each_engine("oppo_pause", "pausing generation", clear_cache=clear_cache)
+        self.paused_at = time.time()
+
+    def unpause(self) -> float:
+        """Restart the requests that ``pause`` froze, at the weights they had; returns how long they waited."""
+        self._each_engine("oppo_unpause", "restarting generation")
+        return time.time() - self.paused_at
 
     def resume(self, weight_version: int, resume: bool = True) -> None:
         """Tell the engines the new weight version; ``resume`` restarts paused requests."""

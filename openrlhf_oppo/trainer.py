@@ -14,7 +14,11 @@ import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 from openrlhf.utils.logging_utils import init_logger
 
-from openrlhf_oppo.config import describe, pauses_carried_requests_in_training
+from openrlhf_oppo.config import (
+    describe,
+    pauses_carried_requests_after_generation,
+    resumes_carried_requests_for_training,
+)
 from openrlhf_oppo.coordinator import StreamCoordinator, phase
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
@@ -114,7 +118,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             **kwargs,
             controller=controller,
             max_defer_steps=oppo.max_defer_steps,
-            pause_between_steps=pauses_carried_requests_in_training(args),
+            pause_between_steps=pauses_carried_requests_after_generation(args),
             top_up_at_step_end=oppo.top_up == "step_end",
         )
 
@@ -217,12 +221,21 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         return metrics
 
     def ppo_train(self, global_steps):
+        paused_s = None
+        if resumes_carried_requests_for_training(self.args) and self.samples_generator.groups:
+            # --oppo.colocated_decode during_training: the experiences are made, so the carried requests, which
+            # the sampler paused when the step's groups were done, decode beside training.
+            paused_s = self.coordinator.unpause()
         with self.tracer.span("ppo_train", track="trainer"), phase("training"):
             if self.args.oppo.critic_catch_up == "after_fit" and self.critic_model_group is not None:
-                return self._train_releasing_the_critic(global_steps)
-            if self.args.oppo.state_moves == "overlap" and self.critic_model_group is not None:
-                return self._train_overlapping_state_moves(global_steps)
-            return super().ppo_train(global_steps)
+                status = self._train_releasing_the_critic(global_steps)
+            elif self.args.oppo.state_moves == "overlap" and self.critic_model_group is not None:
+                status = self._train_overlapping_state_moves(global_steps)
+            else:
+                status = super().ppo_train(global_steps)
+        if paused_s is not None:
+            status["oppo/decoding_paused_s"] = paused_s
+        return status
 
     def _train_releasing_the_critic(self, global_steps) -> dict:
         """``--oppo.critic_catch_up after_fit``: upstream's ``ppo_train`` (0.11.2, its branch without sleep mode;

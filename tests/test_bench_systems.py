@@ -44,7 +44,7 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
         assert args.oppo.inter_step == (system != "oppo-intra")
         assert args.oppo.top_up == ("step_end" if system in ("oppo-both-early",) + AWAKE else "step_start")
         assert args.vllm.enable_sleep == (placement == "colocated" and system not in AWAKE)
-        assert args.oppo.colocated_decode == ("continue" if system in AWAKE else "pause")
+        assert args.oppo.colocated_decode == ("during_training" if system in AWAKE else "pause")
         assert bool(args.oppo.streamed_roles) == (system not in INTER_ONLY)
         # The frozen models go beside vLLM wherever they stream in the split placement.
         beside_vllm = placement == "split" and system not in ("oppo-inter", "oppo-both-frozen-with-models")

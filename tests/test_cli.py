@@ -9,7 +9,12 @@ import sys
 import pytest
 
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
-from openrlhf_oppo.config import OPPOConfigError, describe, pauses_carried_requests_in_training
+from openrlhf_oppo.config import (
+    OPPOConfigError,
+    describe,
+    pauses_carried_requests_after_generation,
+    resumes_carried_requests_for_training,
+)
 
 BASE = [
     "--actor.model_name_or_path", "m",
@@ -178,22 +183,31 @@ def test_bad_combinations_are_refused_with_what_to_do(extra, message):
 
 
 @pytest.mark.parametrize(
-    "flags, pauses",
+    "flags, pauses, resumes",
     [
-        ([], False),  # the engines have GPUs of their own
-        (["--train.colocate_all", "--vllm.enable_sleep"], False),  # asleep through training
-        (["--train.colocate_all"], True),
-        (["--train.colocate_all", "--oppo.colocated_decode", "pause"], True),
-        (["--train.colocate_all", "--oppo.colocated_decode", "continue", "--oppo.top_up", "step_end"], False),
+        ([], False, False),  # the engines have GPUs of their own
+        (["--train.colocate_all", "--vllm.enable_sleep"], False, False),  # asleep through training
+        (["--train.colocate_all"], True, False),
+        (["--train.colocate_all", "--oppo.colocated_decode", "pause"], True, False),
+        (
+            ["--train.colocate_all", "--oppo.colocated_decode", "during_training", "--oppo.top_up", "step_end"],
+            True,
+            True,
+        ),
+        (["--train.colocate_all", "--oppo.colocated_decode", "continue", "--oppo.top_up", "step_end"], False, False),
     ],
 )
-def test_colocated_engines_pause_carried_requests_in_training_unless_they_continue(flags, pauses):
-    """Where the awake engines share the models' GPUs, the trainer has them pause their carried requests while the
-    models train (``pause_between_steps``), unless --oppo.colocated_decode continue, under which the next step's
-    prompts may start at the step's end too."""
+def test_colocated_engines_pause_carried_requests_in_training_unless_they_continue(flags, pauses, resumes):
+    """Where the awake engines share the models' GPUs, the trainer has them pause their carried requests when the
+    step's groups are done (``pause_between_steps``) until the weight sync; with --oppo.colocated_decode
+    during_training they decode again once the experiences are made, and with continue they never pause. Under
+    either, the next step's prompts may start at the step's end too."""
     args = parse_args(BASE + ["--oppo.enable", "--oppo.overcommit", "4"] + flags)
-    assert pauses_carried_requests_in_training(args) == pauses
-    assert ("decoding beside training" in describe(args)) == ("continue" in flags)
+    assert pauses_carried_requests_after_generation(args) == pauses
+    assert resumes_carried_requests_for_training(args) == resumes
+    beside = "continue" in flags or "during_training" in flags
+    assert ("decoding beside training" in describe(args)) == beside
+    assert ("not beside making experiences" in describe(args)) == resumes
 
 
 @pytest.mark.parametrize(

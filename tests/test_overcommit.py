@@ -95,15 +95,16 @@ def test_steps_end_at_b_groups_and_carried_groups_finish_complete(pipeline, work
     assert {int(s.labels[0]) for s in deferred} & {120, 150, 130}
 
 
-@pytest.mark.parametrize("colocated_decode", ["pause", "continue"])
+@pytest.mark.parametrize("colocated_decode", ["pause", "during_training", "continue"])
 def test_carried_requests_decode_through_training_only_where_the_engines_may(pipeline, workload, colocated_decode):
-    """Engines on the models' GPUs (--train.colocate_all, vLLM awake) pause the carried requests while the models
-    train; with --oppo.colocated_decode continue they keep decoding, and the next step finds them done."""
+    """Engines on the models' GPUs (--train.colocate_all, vLLM awake) pause the carried requests when the step's
+    groups are done; with --oppo.colocated_decode during_training the trainer restarts them once the experiences are
+    made, with continue they keep decoding, and in both the next step finds them done."""
     # B + Delta = 7 prompts, all of them: the step ends with the 4 short ones done and the 3 long ones in flight
     # (close to the engine's 256 tokens with the prompt, so that they are far from done when the step ends).
     lengths = [4, 5, 6, 7, 200, 190, 180]
     loader = prompt_dataloader(workload(lengths, seed=24), pipeline.args, pipeline.tokenizer)
-    pause = colocated_decode == "pause"
+    pause = colocated_decode != "continue"
     generator = pipeline.samples_generator(loader, "overcommit", delta=3, pause_between_steps=pause)
     pipeline.args.rollout.batch_size = 4
     try:
@@ -114,12 +115,18 @@ def test_carried_requests_decode_through_training_only_where_the_engines_may(pip
             time.sleep(0.5)  # the results of requests that ended before the pause arrive
         done_at_step_end = generator._done_now()
         assert done_at_step_end < 3
-        # The models' training: paused, nothing more finishes in a few seconds (the engine decodes a long response
-        # in under one); not paused, every carried response finishes.
+        # The experiences are made: paused, nothing more finishes in a few seconds (the engine decodes a long
+        # response in under one); not paused, every carried response finishes.
         started = time.time()
         while time.time() - started < (PAUSED_S if pause else 120) and generator._done_now() < 3:
             time.sleep(0.1)
         assert generator._done_now() == (done_at_step_end if pause else 3)
+        if colocated_decode == "during_training":  # what the trainer does when training starts
+            assert pipeline.coordinator.unpause() >= PAUSED_S
+            started = time.time()
+            while time.time() - started < 120 and generator._done_now() < 3:
+                time.sleep(0.1)
+            assert generator._done_now() == 3
         while True:  # the rest of the epoch, each step after a weight sync: every prompt still trained once
             pipeline.coordinator.resume(weight_version=0)  # what the weight sync does after the paused training
             samples, _, _, exhausted = generator.generate_samples(**pipeline.generate_kwargs())

@@ -59,9 +59,13 @@ def test_every_run_has_its_section(folder):
 
 
 def test_summary_ratios_and_failures(tmp_path):
-    """Speed-ups are taken against upstream sync and async of the same run; a failed system shows its exit code."""
+    """Speed-ups are taken against upstream sync and async of the same run; a failed system shows its exit code,
+    and one that failed after some measured steps shows how many, not a mean over them."""
     run = report.run_results(str(RESULTS / "split-2gpu-1.5b-lognormal-unpatched-repeat"))
     run["systems"]["oppo-intra"] = dict(returncode=1, steps=[])
+    cut_short = json.loads(json.dumps(run["systems"]["oppo-both"]))
+    cut_short["summary"]["steps"], cut_short["returncode"] = run["settings"]["steps"] - 3, 1
+    run["systems"]["oppo-inter"] = cut_short
     del run["commit"]  # taken from commit.txt where results.json has none
     folder = tmp_path / "a-run"
     folder.mkdir()
@@ -72,6 +76,8 @@ def test_summary_ratios_and_failures(tmp_path):
     assert rows["upstream-sync"] == ["16.99", "1.00x", "0.59x", "1.00x", "0.59x"]
     assert rows["oppo-both"] == ["7.32", "2.32x", "1.38x", "2.28x", "1.35x"]
     assert rows["oppo-intra"] == ["failed (exit 1)", "-", "-", "-", "-"]
+    assert rows["oppo-inter"] == ["failed (exit 1, 2 of 5 steps)", "-", "-", "-", "-"]
+    assert "| oppo-inter | failed (exit 1, 2 of 5 steps) |" in report.table(report.run_results(str(folder)))
     assert "abc1234" in report.summary([str(folder)])
 
 

@@ -21,6 +21,7 @@ and upstream's async mode, generation overlaps training, so phases need not add 
 """
 
 import argparse
+import copy
 import glob
 import json
 import os
@@ -146,7 +147,7 @@ def table(results: dict) -> str:
     for name, result in systems.items():
         s = result.get("summary") or {}
         if not s:
-            lines.append(f"| {name} | failed (rc {result.get('returncode')}) |" + " |" * 16)
+            lines.append(f"| {name} | {_failed(result, results['settings']['steps'])} |" + " |" * 16)
             continue
         util = result.get("gpu_utilization", [])
         util_ratio = f"{_mean(util) / base_util:.2f}x" if base_util and util else "-"
@@ -487,6 +488,7 @@ def plot_convergence(results: dict, path: str) -> None:
 
 
 def write(results: dict, out: str) -> None:
+    results = drop_cut_short(copy.deepcopy(results))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table(results))
@@ -505,12 +507,28 @@ def write(results: dict, out: str) -> None:
         print("matplotlib is not installed: no plots")
 
 
+def drop_cut_short(results: dict) -> dict:
+    """A system that stopped before all its measured steps (it failed, or ran out of time) keeps its steps but
+    loses its summary: a mean over the steps it reached is no comparison with systems that ran them all. The
+    table shows it failed, with the steps it reached."""
+    for result in results["systems"].values():
+        measured = (result.get("summary") or {}).get("steps", 0)
+        if 0 < measured < results["settings"]["steps"]:
+            result["summary"], result["measured_before_failing"] = {}, measured
+    return results
+
+
+def _failed(result: dict, steps: int) -> str:
+    reached = result.get("measured_before_failing")
+    return f"failed (exit {result.get('returncode')}" + (f", {reached} of {steps} steps)" if reached else ")")
+
+
 def merge(paths: list) -> dict:
     """Results of several invocations on one machine, systems in order (later ones win a name clash)."""
     merged = None
     for path in paths:
         with open(path) as f:
-            results = json.load(f)
+            results = drop_cut_short(json.load(f))
         if merged is None:
             merged = results
         else:
@@ -578,7 +596,7 @@ def summary(folders: list) -> str:
             result = systems[system]
             s = result.get("summary") or {}
             if not s:
-                cells = f"failed (exit {result.get('returncode')}) | - | - | - | -"
+                cells = f"{_failed(result, settings['steps'])} | - | - | - | -"
             else:
                 (sync_step, sync_token), (async_step, async_token) = (_speedups(base[k], s) for k in ("sync", "async"))
                 cells = f"{s['step_mean_s']:.2f} | {sync_step} | {async_step} | {sync_token} | {async_token}"

@@ -17,12 +17,13 @@ prompts start decoding during training (split placement only). ``oppo-both-keep`
 ``--oppo.carry_kv keep``: carried requests keep the KV cache computed with the previous weights (split placement
 only: the colocated engines sleep, which drops it). ``oppo-both-awake`` (colocated placement only) keeps vLLM
 awake through training (no ``--vllm.enable_sleep``), its carried requests and the next step's prompts decoding
-beside the models' training (``--oppo.colocated_decode continue --oppo.top_up step_end``). ``oppo-inter-awake`` is
-the same without intra-step streaming, as ``--oppo.intra_step auto`` decides under ``--train.colocate_all``: the
-groups a step trains finished decoding during the previous training, when the models could not score their
-chunks, so nothing is left for streaming to hide. Every system gets the same vLLM memory share, small enough for
-the frozen models to fit beside the engines (the awake systems may need a smaller one, through ``--oppo_extra``,
-to leave training its room).
+beside the models' training but not while they make the step's experiences (``--oppo.colocated_decode
+during_training --oppo.top_up step_end``; ``--oppo_extra`` with ``continue`` decodes beside both).
+``oppo-inter-awake`` is the same without intra-step streaming, as ``--oppo.intra_step auto`` decides under
+``--train.colocate_all``: the groups a step trains finished decoding during the previous training, when the models
+could not score their chunks, so nothing is left for streaming to hide. Every system gets the same vLLM memory
+share, small enough for the frozen models to fit beside the engines (the awake systems may need a smaller one,
+through ``--oppo_extra``, to leave training its room).
 """
 
 SYSTEMS = (
@@ -40,7 +41,7 @@ SYSTEMS = (
 SPLIT_ONLY = ("upstream-async", "oppo-both-early", "oppo-both-frozen-with-models", "oppo-both-keep")
 # vLLM awake through training (colocated), its requests decoding beside the models' training.
 AWAKE = ("oppo-both-awake", "oppo-inter-awake")
-DECODE_BESIDE_TRAINING = ["--oppo.colocated_decode", "continue", "--oppo.top_up", "step_end"]
+DECODE_BESIDE_TRAINING = ["--oppo.colocated_decode", "during_training", "--oppo.top_up", "step_end"]
 COLOCATED_ONLY = AWAKE
 INTER_ONLY = ("oppo-inter", "oppo-inter-awake")  # no intra-step streaming
 # The OPPO systems whose reward and reference models stay on the models' GPUs in the split placement: they do not

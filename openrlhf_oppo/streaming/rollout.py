@@ -355,6 +355,10 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         """Freeze every request; ``clear_cache`` drops their KV so they re-prefill on resume."""
         await self.llm.pause_generation(mode="keep", clear_cache=clear_cache)
 
+    async def oppo_unpause(self) -> None:
+        """Restart the requests ``oppo_pause`` froze, with the weights they have (no weight sync in between)."""
+        await self.llm.resume_generation()
+
     async def oppo_resume(self, weight_version: int, resume: bool = True) -> None:
         self.weight_version = weight_version
         if resume:
