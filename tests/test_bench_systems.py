@@ -1,10 +1,13 @@
 """Every system the benchmarks compare is a valid train_ppo_ray command (upstream's parser and OPPO's checks),
 and the benchmark refuses workloads it would clip."""
 
+import math
 import sys
 
 import pytest
+import torch
 from openrlhf.utils import deepspeed
+from transformers import get_scheduler
 
 from openrlhf_oppo.bench import addition, learning
 from openrlhf_oppo.bench.learning import LEARNING_SYSTEMS
@@ -157,9 +160,27 @@ def test_learning_benchmark_run_is_a_valid_command(system, monkeypatch):
     assert (args.algo.advantage.is_correction_level, args.algo.advantage.is_correction_mode) == ("token", "clip")
     assert args.train.micro_batch_size == args.train.batch_size == 64  # one micro-batch per policy update
     assert not args.actor.gradient_checkpointing_enable  # the small model: recomputing would only slow training
+    assert args.actor.lr_scheduler == "constant_with_warmup"
     if system.startswith("oppo"):
         assert args.oppo.streamed_roles == ["policy", "reference"]  # no reward model, no critic
         assert args.oppo.carry_kv == ("keep" if system == "oppo-both-keep" else "recompute")
+
+
+def test_learning_benchmarks_schedule_keeps_the_learning_rate_after_its_warm_up():
+    """What OpenRLHF's strategy builds from --actor.lr_scheduler for a learning run: transformers' scheduler of that
+    name, with OpenRLHF's 3% warm-up and no min_lr_rate (which only its cosine schedules take)."""
+    options = learning.parse(["--task", "addition", "--out", "/o"])
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=options.lr)
+    steps = options.steps * options.updates
+    schedule = get_scheduler(
+        options.lr_scheduler, optimizer, num_warmup_steps=math.ceil(steps * 0.03), num_training_steps=steps
+    )
+    rates = []
+    for _ in range(steps):
+        rates.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert rates[0] == 0 and rates[math.ceil(steps * 0.03) :] == [options.lr] * (steps - math.ceil(steps * 0.03))
 
 
 @pytest.mark.parametrize("system", ["upstream-sync", "upstream-async", "oppo-both"])

@@ -48,6 +48,12 @@ def parse(argv=None):
     parser.add_argument("--overcommit", type=int, default=None, help="Delta for the OPPO systems (default B)")
     parser.add_argument("--lr", type=float, default=5e-5, help="the policy's learning rate in PPO")
     parser.add_argument(
+        "--lr_scheduler",
+        default="constant_with_warmup",
+        help="the policy's learning-rate schedule (--actor.lr_scheduler). OpenRLHF's default, cosine_with_min_lr, "
+        "falls to a tenth of --lr by a run's last step, where the held-out accuracy was still rising",
+    )
+    parser.add_argument(
         "--updates", type=int, default=4, help="policy updates a step, each on an equal share of its samples"
     )
     parser.add_argument("--target", type=float, default=0.8, help="the accuracy the convergence table times")
@@ -173,6 +179,7 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
             "--algo.advantage.is_correction_level", "token",
             "--algo.advantage.is_correction_mode", "clip",
             "--actor.adam.lr", str(args.lr),
+            "--actor.lr_scheduler", args.lr_scheduler,
         ]
         + eval_flags(workdir, args.eval_every)
         + system_flags(system, args.placement, args.overcommit)
