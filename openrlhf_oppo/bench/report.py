@@ -508,13 +508,13 @@ def write(results: dict, out: str) -> None:
 
 
 def drop_cut_short(results: dict) -> dict:
-    """A system that stopped before all its measured steps (it failed, or ran out of time) keeps its steps but
-    loses its summary: a mean over the steps it reached is no comparison with systems that ran them all. The
-    table shows it failed, with the steps it reached."""
+    """A system that stopped before all its measured steps (it failed, or ran out of time) is shown as failed,
+    with the steps it reached: a mean over those steps, or their memory and CPU figures, would be no comparison
+    with systems that ran them all. Its raw steps stay in results.json."""
     for result in results["systems"].values():
         measured = (result.get("summary") or {}).get("steps", 0)
-        if 0 < measured < results["settings"]["steps"]:
-            result["summary"], result["measured_before_failing"] = {}, measured
+        if measured < results["settings"]["steps"] and "measured_before_failing" not in result:
+            result.update(summary={}, steps=[], gpu_samples=[], cpu_samples=[], measured_before_failing=measured)
     return results
 
 
