@@ -77,7 +77,7 @@ def test_summary_ratios_and_failures(tmp_path):
     assert rows["oppo-both"] == ["7.32", "2.32x", "1.38x", "2.28x", "1.35x"]
     assert rows["oppo-intra"] == ["failed (exit 1)", "-", "-", "-", "-"]
     assert rows["oppo-inter"] == ["failed (exit 1, 2 of 5 steps)", "-", "-", "-", "-"]
-    report.write(report.run_results(str(folder)), str(tmp_path / "tables"))  # both drop the steps: once is kept
+    report.write(report.run_results(str(folder)), str(tmp_path / "tables"))
     assert "| oppo-inter | failed (exit 1, 2 of 5 steps) |" in (tmp_path / "tables" / "table.md").read_text()
     assert "abc1234" in report.summary([str(folder)])
 

@@ -153,7 +153,7 @@ def main():
         results["systems"][system + args.tag] = run_system(system, flags, args)
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
-    report.write(results, args.out)
+    report.write(report.merge([path]), args.out)  # the tables as report makes them from results.json
     print(open(os.path.join(args.out, "table.md")).read())
 
 

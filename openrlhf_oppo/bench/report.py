@@ -21,7 +21,6 @@ and upstream's async mode, generation overlaps training, so phases need not add 
 """
 
 import argparse
-import copy
 import glob
 import json
 import os
@@ -488,7 +487,6 @@ def plot_convergence(results: dict, path: str) -> None:
 
 
 def write(results: dict, out: str) -> None:
-    results = drop_cut_short(copy.deepcopy(results))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table(results))
@@ -508,15 +506,15 @@ def write(results: dict, out: str) -> None:
 
 
 def drop_cut_short(results: dict) -> dict:
-    """A system that stopped before all its measured steps (it failed, or ran out of time) is shown as failed,
-    with the steps it reached: a mean over those steps, or their memory and CPU figures, would be no comparison
-    with systems that ran them all. Its raw steps stay in results.json. (The learning benchmark's table counts
-    the runs of each system that reached their last step itself.)"""
+    """Results as read from results.json, where a system that stopped before all its measured steps (it failed,
+    or ran out of time) is shown as failed, with the steps it reached: a mean over those steps, or their memory
+    and CPU figures, would be no comparison with systems that ran them all. The file keeps its raw steps. (The
+    learning benchmark's table counts the runs of each system that reached their last step itself.)"""
     if "task" in results:
         return results
     for result in results["systems"].values():
         measured = (result.get("summary") or {}).get("steps", 0)
-        if measured < results["settings"]["steps"] and "measured_before_failing" not in result:
+        if measured < results["settings"]["steps"]:
             result.update(summary={}, steps=[], gpu_samples=[], cpu_samples=[], measured_before_failing=measured)
     return results
 
