@@ -62,8 +62,9 @@ OPTIONS = {
             choices=["auto", "on", "off"],
             help="Intra-step overlap: reward, critic and reference (and the policy's old log-probs where its GPUs "
             "are idle during generation) prefill each response chunk while the actor decodes. 'auto' turns it on "
-            "unless the vLLM engines share GPUs with these models (--train.colocate_all), where the prefills would "
-            "compete with decoding.",
+            "except under the hybrid engine (--train.colocate_all --vllm.enable_sleep), whose vLLM share is sized "
+            "for vLLM alone; with vLLM awake on the models' GPUs it is on, as it shortened every measured step "
+            "there.",
         ),
         "auto",
     ),
@@ -530,8 +531,12 @@ def _check_oppo(args, given) -> None:
 
 
 def _streams(args) -> bool:
-    """'auto' streams unless the vLLM engines share GPUs with the scoring models."""
-    return args.oppo.intra_step == "on" or (args.oppo.intra_step == "auto" and not args.train.colocate_all)
+    """'auto' streams unless the engines sleep on the scoring models' GPUs (the hybrid engine): their share of
+    the GPU is set for vLLM alone there, and the scorers' KV caches would have to fit beside it. Where vLLM stays
+    awake beside the models, streaming shortened the step in every paired run on GPU (docs/RESULTS.md,
+    colocated-1gpu-1.5b-*-awake-inter-and-both)."""
+    hybrid_engine = args.train.colocate_all and args.vllm.enable_sleep
+    return args.oppo.intra_step == "on" or (args.oppo.intra_step == "auto" and not hybrid_engine)
 
 
 def _resolve_plan(args) -> None:
@@ -635,7 +640,11 @@ def _check_streaming_plan(args, given) -> None:
         )
         unused = [name for name in streaming_only if name in given]
         if unused:
-            why = "--oppo.intra_step off" if oppo.intra_step == "off" else "--oppo.intra_step auto under colocate_all"
+            why = (
+                "--oppo.intra_step off"
+                if oppo.intra_step == "off"
+                else "--oppo.intra_step auto under the hybrid engine"
+            )
             raise _unused(
                 unused, f"intra-step streaming, which is off in this run ({why})", "stream with --oppo.intra_step on"
             )

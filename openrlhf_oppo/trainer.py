@@ -32,6 +32,15 @@ from openrlhf_oppo.weight_sync import SyncPlan
 logger = init_logger(__name__)
 
 
+def wait_for_awake_colocated_engines(args, vllm_engines) -> None:
+    """Return once vLLM engines that stay awake on the models' GPUs (``--train.colocate_all`` without
+    ``--vllm.enable_sleep``) are up. The driver loads the models as soon as this trainer exists, and vLLM refuses
+    to start when memory is freed on its GPU while it profiles its own use. Upstream waits only for engines it
+    puts to sleep (``create_vllm_engines``)."""
+    if vllm_engines and args.train.colocate_all and not args.vllm.enable_sleep:
+        ray.get([engine.__ray_ready__.remote() for engine in vllm_engines])
+
+
 class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     def __init__(
         self,
@@ -44,6 +53,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         vllm_engines,
         **generate_kwargs,
     ):
+        wait_for_awake_colocated_engines(strategy.args, vllm_engines)
         super().__init__(
             pretrain,
             strategy,

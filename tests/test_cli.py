@@ -159,7 +159,10 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--oppo.cache_budget_gb", "0"], "or turn streaming off with --oppo.intra_step off"),
         (["--oppo.enable", "--oppo.chunk_size", "512", "--rollout.max_new_tokens", "512"], "a chunk size below 512"),
         (["--oppo.enable", "--oppo.intra_step", "off", "--oppo.chunk_size", "16"], "which is off in this run"),
-        (["--oppo.enable", "--train.colocate_all", "--oppo.cache_budget_gb", "2"], "auto under colocate_all"),
+        (
+            ["--oppo.enable", "--train.colocate_all", "--vllm.enable_sleep", "--oppo.cache_budget_gb", "2"],
+            "auto under the hybrid engine",
+        ),
         (
             ["--oppo.enable", "--train.colocate_all", "--oppo.intra_step", "on", "--reward.remote_url", "http://rm"]
             + ["--algo.advantage.estimator", "reinforce", "--algo.kl.init_coef", "0"],
@@ -250,7 +253,8 @@ def test_the_cli_ends_with_one_line_before_ray_starts(value, code, message):
     [
         ([], ["policy", "critic", "reward", "reference"]),
         (["--ds.zero_stage", "3"], ["policy", "critic", "reward", "reference"]),  # on full copies (zero3.py)
-        (["--train.colocate_all"], []),  # auto: off where vLLM shares the GPUs
+        (["--train.colocate_all", "--vllm.enable_sleep"], []),  # auto: off under the hybrid engine
+        (["--train.colocate_all"], ["critic", "reward", "reference"]),  # auto: on beside awake engines
         (["--train.colocate_all", "--oppo.intra_step", "on"], ["critic", "reward", "reference"]),
         (["--reward.remote_url", "http://localhost:1/rm"], ["policy", "critic", "reference"]),
         (["--algo.advantage.estimator", "reinforce", "--algo.kl.init_coef", "0"], ["policy", "reward"]),

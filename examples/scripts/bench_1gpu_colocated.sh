@@ -16,12 +16,11 @@
 #   PATCHED=1 STEPS=5 DELTA=32 SYSTEMS=oppo-both-awake OUT_DIR=runs/1gpu-awake \
 #     bash examples/scripts/bench_1gpu_colocated.sh --tag=-delta32-vllm-0.25 \
 #     --oppo_extra=--vllm.gpu_memory_utilization --oppo_extra=0.25
-# The same inter-step only (what --oppo.intra_step auto picks there), against upstream sync, both with the models'
-# DeepSpeed states kept on the GPU (no --ds.enable_sleep) and vLLM's smaller share, so that the GPU holds both (on
-# the lognormal workload a share of 0.25 left the awake engines too little room: give them less):
-#   PATCHED=1 STEPS=5 DELTA=32 SYSTEMS=upstream-sync,oppo-inter-awake OUT_DIR=runs/1gpu-awake-states \
+# OPPO awake against upstream sync, both with the models' DeepSpeed states kept on the GPU (no --ds.enable_sleep)
+# and vLLM's share small enough for the GPU to hold both (on the lognormal workload 0.25 ran out of memory, 0.15 fit):
+#   PATCHED=1 STEPS=5 DELTA=32 SYSTEMS=upstream-sync,oppo-both-awake OUT_DIR=runs/1gpu-awake-states \
 #     bash examples/scripts/bench_1gpu_colocated.sh --ds_sleep off \
-#     --extra=--vllm.gpu_memory_utilization --extra=0.2
+#     --extra=--vllm.gpu_memory_utilization --extra=0.15
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
