@@ -63,8 +63,8 @@ OPTIONS = {
             help="Intra-step overlap: reward, critic and reference (and the policy's old log-probs where its GPUs "
             "are idle during generation) prefill each response chunk while the actor decodes. 'auto' turns it on "
             "except under the hybrid engine (--train.colocate_all --vllm.enable_sleep), whose vLLM share is sized "
-            "for vLLM alone; with vLLM awake on the models' GPUs it is on, as it shortened every measured step "
-            "there.",
+            "for vLLM alone; with vLLM awake on the models' GPUs it is on, as it shortened the step in both "
+            "paired runs there.",
         ),
         "auto",
     ),
@@ -218,10 +218,11 @@ OPTIONS = {
             help="Where the critic's and the policy's DeepSpeed states move between host and GPU around their "
             "training under --ds.enable_sleep. 'serial': as upstream, the critic's states load, it trains, they "
             "go back, then the same for the policy. 'overlap': the policy's states load while the critic trains, "
-            "and the critic's go back while the policy trains; only the critic's load and the policy's offload "
-            "stay on the step's path. The GPU then holds one model's states more while the other trains. Needs "
-            "--ds.enable_sleep and a critic. The time training still waits on the moves: "
-            "oppo/state_moves_wait_s.",
+            "and the critic's go back while the policy trains. The critic's load starts as soon as its streamed "
+            "scores are in, while the policy's log-probs and the advantages are computed; with vLLM awake, the "
+            "policy's offload waits until the weight sync is done, and runs beside the next step's start. The GPU "
+            "then holds one model's states more while the other trains. Needs --ds.enable_sleep and a critic. The "
+            "time training still waits on the moves: oppo/state_moves_wait_s.",
         ),
         "serial",
     ),
@@ -533,7 +534,7 @@ def _check_oppo(args, given) -> None:
 def _streams(args) -> bool:
     """'auto' streams unless the engines sleep on the scoring models' GPUs (the hybrid engine): their share of
     the GPU is set for vLLM alone there, and the scorers' KV caches would have to fit beside it. Where vLLM stays
-    awake beside the models, streaming shortened the step in every paired run on GPU (docs/RESULTS.md,
+    awake beside the models, streaming shortened the step in both paired runs on GPU (docs/RESULTS.md,
     colocated-1gpu-1.5b-*-awake-inter-and-both)."""
     hybrid_engine = args.train.colocate_all and args.vllm.enable_sleep
     return args.oppo.intra_step == "on" or (args.oppo.intra_step == "auto" and not hybrid_engine)

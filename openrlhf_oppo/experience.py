@@ -15,7 +15,7 @@ second, and ``_dispatch_forward`` reads it.
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import ray
 import torch
@@ -78,6 +78,7 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
         self.tracer = tracer or Tracer(enabled=False, process="experience")
         self.metrics: Dict[str, float] = {}
         self._batch: Optional[StreamedBatch] = None  # between make_experience_batch and _dispatch_forward
+        self.on_scores_collected: Optional[Callable[[], None]] = None  # the trainer's, once the streams are in
 
     def make_experience_batch(self, rollout_samples: List[Experience]) -> List[Experience]:
         self._batch = StreamedBatch([getattr(sample, "stream", None) for sample in rollout_samples])
@@ -98,6 +99,8 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
             batch.micro_batches = samples_list
             if any(info and info.ranks for info in batch.infos):
                 batch.collect(self.coordinator, self.tracer)
+                if self.on_scores_collected is not None:
+                    self.on_scores_collected()
         return super().make_experience(samples_list)
 
     def _dispatch_forward(self, group, sync_condition, **kwargs):

@@ -97,6 +97,10 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                 coordinator=self.coordinator,
                 tracer=self.tracer,
             )
+        # --oppo.state_moves overlap: moves started outside ppo_train, awaited at its start.
+        self.critic_reload, self.policy_offload, self.policy_offload_due = [], [], False
+        if oppo.state_moves == "overlap" and "critic" in oppo.streamed_roles:
+            self.experience_maker.on_scores_collected = self._prefetch_critic_states
 
     def _make_samples_generator(self, strategy, vllm_engines):
         oppo, args = self.args.oppo, self.args
@@ -269,6 +273,8 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     def _train_overlapping_state_moves(self, global_steps) -> dict:
         """``--oppo.state_moves overlap``: upstream's ``ppo_train`` (0.11.2, its sleep-mode branch), COPIED, with
         the policy's states loaded while the critic trains and the critic's offloaded while the policy trains.
+        With the critic streaming, its states start loading once its scores are in (``_prefetch_critic_states``);
+        with the engines awake, the policy's go back after the weight sync (``_offload_policy_states``).
         Upstream runs reload, fit, offload for one model, then for the other: on one GPU the moves took 2.2-2.9 s
         of each 9-16 s training phase. ``patches/openrlhf/0010`` adds the hook that would retire this copy."""
         status: dict = {}
@@ -282,7 +288,10 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
 
         critic, actor = self.critic_model_group, self.actor_model_group
         run_actor = global_steps > self.args.critic.freezing_steps and actor is not None
-        wait_for_move(critic.async_run_method(method_name="reload_states"))
+        wait_for_move(self.policy_offload)  # the last step's, started after its weight sync
+        # --- OPPO change: the critic's states may have started loading when its scores were in. ---
+        wait_for_move(self.critic_reload or critic.async_run_method(method_name="reload_states"))
+        self.critic_reload, self.policy_offload = [], []
         critic_fit = critic.async_run_method(method_name="fit")
         # --- OPPO change: the policy's states load during the critic's fit (upstream: after its offload). ---
         actor_reload = actor.async_run_method(method_name="reload_states") if run_actor else []
@@ -292,7 +301,13 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         if run_actor:
             wait_for_move(actor_reload)
             status.update(ray.get(actor.async_run_method(method_name="fit", kl_ctl=self.kl_ctl.value))[0])
-            wait_for_move(actor.async_run_method(method_name="offload_states"))
+            # --- OPPO change: with the engines awake, the weight sync reads only the policy's weights, so its
+            # states go back after the sync, beside the next step's start. Asleep engines wake up for the sync
+            # and need the room first. ---
+            if self.args.vllm.enable_sleep:
+                wait_for_move(actor.async_run_method(method_name="offload_states"))
+            else:
+                self.policy_offload_due = True
         wait_for_move(critic_offload)
         status["oppo/state_moves_wait_s"] = waited
         return status
@@ -310,9 +325,22 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                 clear_cache=oppo.carry_kv == "recompute",
                 weight_version=self.policy_version,
             )
+        self._offload_policy_states()
         # The engines hold the new weights now: the policy's log-probs they score need not wait for the next
         # step's start, which comes after this step's metrics, and those can wait on the critic's catch-up.
         self.coordinator.release_engine_scoring()
+
+    def _prefetch_critic_states(self) -> None:
+        """``--oppo.state_moves overlap``: the step's critic scores are in (the critic has nothing more to score
+        until the next step), so its states load while the policy's log-probs and the advantages are computed."""
+        self.critic_reload = self.critic_model_group.async_run_method(method_name="reload_states")
+
+    def _offload_policy_states(self) -> None:
+        """``--oppo.state_moves overlap`` with the engines awake: the policy's states go back once the weights are
+        synced; the next step's first call to the policy queues behind the move, the scorers' catch-up does not."""
+        if self.policy_offload_due:
+            self.policy_offload_due = False
+            self.policy_offload = self.actor_model_group.async_run_method(method_name="offload_states")
 
     # -- checkpoints ------------------------------------------------------------------------------------
 

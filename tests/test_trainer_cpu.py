@@ -118,28 +118,40 @@ class _Group:
         return [f"{self.name} {method_name}"]
 
 
-@pytest.mark.parametrize("frozen_policy", [False, True])
-def test_state_moves_overlap_the_other_models_training(monkeypatch, frozen_policy):
-    """``--oppo.state_moves overlap``: the policy's states start loading before the critic's fit is awaited,
-    and the critic's start going back before the policy's fit starts; with the policy frozen
-    (``--critic.freezing_steps``) only the critic trains and moves. Each fit's status is merged as upstream's
-    sleep-mode branch merges it (its first rank's), and the trainer's wait on the moves is logged."""
+def _state_moves_trainer(monkeypatch, log, frozen_policy=False, vllm_asleep=True):
+    """What ``OPPOTrainer``'s state-move methods read, with ``ray.get`` logging each wait."""
     from openrlhf_oppo import trainer as trainer_module
-
-    log = []
 
     def get(refs):
         log.extend(f"{ref} awaited" for ref in refs)
         return [{f"{ref} loss": 1.0} for ref in refs]
 
     monkeypatch.setattr(trainer_module.ray, "get", get)
-    trainer = SimpleNamespace(
-        args=SimpleNamespace(critic=SimpleNamespace(freezing_steps=5 if frozen_policy else -1)),
+    return SimpleNamespace(
+        args=SimpleNamespace(
+            critic=SimpleNamespace(freezing_steps=5 if frozen_policy else -1),
+            vllm=SimpleNamespace(enable_sleep=vllm_asleep),
+        ),
         critic_model_group=_Group("critic", log),
         actor_model_group=_Group("actor", log),
         kl_ctl=SimpleNamespace(value=0.0),
+        critic_reload=[],
+        policy_offload=[],
+        policy_offload_due=False,
     )
-    status = trainer_module.OPPOTrainer._train_overlapping_state_moves(trainer, 1)
+
+
+@pytest.mark.parametrize("frozen_policy", [False, True])
+def test_state_moves_overlap_the_other_models_training(monkeypatch, frozen_policy):
+    """``--oppo.state_moves overlap``: the policy's states start loading before the critic's fit is awaited,
+    and the critic's start going back before the policy's fit starts; with the policy frozen
+    (``--critic.freezing_steps``) only the critic trains and moves. Each fit's status is merged as upstream's
+    sleep-mode branch merges it (its first rank's), and the trainer's wait on the moves is logged."""
+    from openrlhf_oppo.trainer import OPPOTrainer
+
+    log = []
+    trainer = _state_moves_trainer(monkeypatch, log, frozen_policy)
+    status = OPPOTrainer._train_overlapping_state_moves(trainer, 1)
     if frozen_policy:
         assert [e for e in log if not e.endswith("awaited")] == [
             "critic reload_states",
@@ -155,6 +167,31 @@ def test_state_moves_overlap_the_other_models_training(monkeypatch, frozen_polic
     assert log[-2:] == ["actor offload_states awaited", "critic offload_states awaited"]  # both back when it returns
     assert set(status) == {"critic fit loss", "actor fit loss", "oppo/state_moves_wait_s"}
     assert status["oppo/state_moves_wait_s"] >= 0
+
+
+def test_state_moves_start_outside_training_where_they_can(monkeypatch):
+    """The critic's states start loading when its scores are in, and with the engines awake the policy's go back
+    after the weight sync: training awaits the first, the next step's training the second, and neither is started
+    twice."""
+    from openrlhf_oppo.trainer import OPPOTrainer
+
+    log = []
+    trainer = _state_moves_trainer(monkeypatch, log, vllm_asleep=False)
+    for step in (1, 2):
+        OPPOTrainer._prefetch_critic_states(trainer)  # make_experience, once the streamed scores are collected
+        assert log[-1] == "critic reload_states"
+        started = len(log)
+        OPPOTrainer._train_overlapping_state_moves(trainer, step)
+        this_step = log[started:]
+        assert "critic reload_states" not in this_step  # started once, before training
+        assert this_step.index("critic reload_states awaited") < this_step.index("critic fit")
+        assert "actor offload_states" not in this_step  # the weight sync reads the policy's weights first
+        if step == 2:  # the first step's offload, awaited before this step's moves
+            assert this_step[0] == "actor offload_states awaited"
+        OPPOTrainer._offload_policy_states(trainer)  # after the weight sync
+        assert log[-1] == "actor offload_states"
+    OPPOTrainer._offload_policy_states(trainer)
+    assert log.count("actor offload_states") == 2  # once a step
 
 
 def test_a_run_with_the_state_moves_overlapped(checkpoints, engine, tmp_path):
