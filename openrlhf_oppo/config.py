@@ -203,8 +203,9 @@ OPTIONS = {
             help="When the critic scores the chunks held through training (inter-step overlap with the critic "
             "streaming). 'next_step': when the next step starts, after the weight sync, as the policy does. "
             "'after_fit': as soon as the critic's own training ends, while the policy may still train (its weights "
-            "are final by then); the critic's catch-up then overlaps the policy's training and the weight sync. "
-            "Needs vLLM apart from the models (not --train.colocate_all or --ds.enable_sleep). Compare "
+            "are final by then); the critic's catch-up then overlaps the policy's training and the weight sync "
+            "(under --train.colocate_all on the same GPU). Under --ds.enable_sleep it needs --oppo.state_moves "
+            "overlap, whose training sends them between the two fits. Compare "
             "oppo/critic_fit_s with oppo/policy_fit_s for the time it can gain. 'auto': after_fit where the policy's "
             "log-probs come from vLLM (--oppo.policy_logprobs vllm), which leaves the critic's catch-up the only "
             "prefill after the sync; next_step otherwise, where the policy's catch-up follows the sync anyway and "
@@ -495,11 +496,12 @@ def _check_oppo(args, given) -> None:
             "or under --train.colocate_all awake (no --vllm.enable_sleep) with --oppo.colocated_decode continue or "
             "during_training (otherwise they wait or sleep through training). Use --oppo.top_up step_start there."
         )
-    if oppo.critic_catch_up == "after_fit" and (args.train.colocate_all or args.ds.enable_sleep):
+    if oppo.critic_catch_up == "after_fit" and args.ds.enable_sleep and oppo.state_moves != "overlap":
         raise OPPOConfigError(
-            "--oppo.critic_catch_up after_fit sends the critic its held chunks while the policy trains, which needs "
-            "the models apart from vLLM and awake through training (not --train.colocate_all or --ds.enable_sleep): "
-            "use --oppo.critic_catch_up next_step there."
+            "--oppo.critic_catch_up after_fit sends the critic its held chunks as soon as its fit ends, but under "
+            "--ds.enable_sleep upstream's training moves the models' states and trains them one after the other, "
+            "with nothing between the two fits: add --oppo.state_moves overlap, whose training sends them there, "
+            "or use --oppo.critic_catch_up next_step."
         )
     if oppo.state_moves == "overlap" and not args.ds.enable_sleep:
         raise OPPOConfigError(

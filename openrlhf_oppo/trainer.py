@@ -241,10 +241,10 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             # the sampler paused when the step's groups were done, decode beside training.
             paused_s = self.coordinator.unpause()
         with self.tracer.span("ppo_train", track="trainer"), phase("training"):
-            if self.args.oppo.critic_catch_up == "after_fit" and self.critic_model_group is not None:
+            if self.args.oppo.state_moves == "overlap" and self.critic_model_group is not None:
+                status = self._train_overlapping_state_moves(global_steps)  # --oppo.critic_catch_up too
+            elif self.args.oppo.critic_catch_up == "after_fit" and self.critic_model_group is not None:
                 status = self._train_releasing_the_critic(global_steps)
-            elif self.args.oppo.state_moves == "overlap" and self.critic_model_group is not None:
-                status = self._train_overlapping_state_moves(global_steps)
             else:
                 status = super().ppo_train(global_steps)
         if paused_s is not None:
@@ -273,8 +273,9 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     def _train_overlapping_state_moves(self, global_steps) -> dict:
         """``--oppo.state_moves overlap``: upstream's ``ppo_train`` (0.11.2, its sleep-mode branch), COPIED, with
         the policy's states loaded while the critic trains and the critic's offloaded while the policy trains.
-        With the critic streaming, its states start loading once its scores are in (``_prefetch_critic_states``);
-        with the engines awake, the policy's go back after the weight sync (``_offload_policy_states``).
+        With the critic streaming, its states start loading once its scores are in (``_prefetch_critic_states``),
+        and with ``--oppo.critic_catch_up after_fit`` its held chunks go out after its fit; with the engines awake,
+        the policy's states go back after the weight sync (``_offload_policy_states``).
         Upstream runs reload, fit, offload for one model, then for the other: on one GPU the moves took 2.2-2.9 s
         of each 9-16 s training phase. ``patches/openrlhf/0010`` adds the hook that would retire this copy."""
         status: dict = {}
@@ -298,6 +299,10 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         status.update(ray.get(critic_fit)[0])
         # --- OPPO change: the critic's states go back during the policy's fit (upstream: before its reload). ---
         critic_offload = critic.async_run_method(method_name="offload_states")
+        if self.args.oppo.critic_catch_up == "after_fit":
+            # Its weights are final: its held chunks are scored beside the policy's fit (the calls queue behind the
+            # offload, which leaves the weights on the GPU).
+            self.coordinator.release(["critic"])
         if run_actor:
             wait_for_move(actor_reload)
             status.update(ray.get(actor.async_run_method(method_name="fit", kl_ctl=self.kl_ctl.value))[0])

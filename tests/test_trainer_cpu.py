@@ -118,7 +118,7 @@ class _Group:
         return [f"{self.name} {method_name}"]
 
 
-def _state_moves_trainer(monkeypatch, log, frozen_policy=False, vllm_asleep=True):
+def _state_moves_trainer(monkeypatch, log, frozen_policy=False, vllm_asleep=True, critic_catch_up="next_step"):
     """What ``OPPOTrainer``'s state-move methods read, with ``ray.get`` logging each wait."""
     from openrlhf_oppo import trainer as trainer_module
 
@@ -131,7 +131,9 @@ def _state_moves_trainer(monkeypatch, log, frozen_policy=False, vllm_asleep=True
         args=SimpleNamespace(
             critic=SimpleNamespace(freezing_steps=5 if frozen_policy else -1),
             vllm=SimpleNamespace(enable_sleep=vllm_asleep),
+            oppo=SimpleNamespace(critic_catch_up=critic_catch_up),
         ),
+        coordinator=SimpleNamespace(release=lambda roles: log.append(f"release {' '.join(roles)}")),
         critic_model_group=_Group("critic", log),
         actor_model_group=_Group("actor", log),
         kl_ctl=SimpleNamespace(value=0.0),
@@ -152,6 +154,7 @@ def test_state_moves_overlap_the_other_models_training(monkeypatch, frozen_polic
     log = []
     trainer = _state_moves_trainer(monkeypatch, log, frozen_policy)
     status = OPPOTrainer._train_overlapping_state_moves(trainer, 1)
+    assert not any(entry.startswith("release") for entry in log)  # --oppo.critic_catch_up next_step
     if frozen_policy:
         assert [e for e in log if not e.endswith("awaited")] == [
             "critic reload_states",
@@ -167,6 +170,16 @@ def test_state_moves_overlap_the_other_models_training(monkeypatch, frozen_polic
     assert log[-2:] == ["actor offload_states awaited", "critic offload_states awaited"]  # both back when it returns
     assert set(status) == {"critic fit loss", "actor fit loss", "oppo/state_moves_wait_s"}
     assert status["oppo/state_moves_wait_s"] >= 0
+
+
+def test_the_critic_catches_up_between_the_fits_with_the_state_moves_overlapped(monkeypatch):
+    """``--oppo.critic_catch_up after_fit`` under ``--oppo.state_moves overlap``: the critic's held chunks go out
+    once its fit has returned, before the policy's fit starts."""
+    from openrlhf_oppo.trainer import OPPOTrainer
+
+    log = []
+    OPPOTrainer._train_overlapping_state_moves(_state_moves_trainer(monkeypatch, log, critic_catch_up="after_fit"), 1)
+    assert log.index("critic fit awaited") < log.index("release critic") < log.index("actor fit")
 
 
 def test_state_moves_start_outside_training_where_they_can(monkeypatch):
@@ -194,20 +207,27 @@ def test_state_moves_start_outside_training_where_they_can(monkeypatch):
     assert log.count("actor offload_states") == 2  # once a step
 
 
-def test_a_run_with_the_state_moves_overlapped(checkpoints, engine, tmp_path):
+@pytest.mark.parametrize("critic_catch_up", ["next_step", "after_fit"])
+def test_a_run_with_the_state_moves_overlapped(checkpoints, engine, tmp_path, critic_catch_up):
     """``--ds.enable_sleep --oppo.state_moves overlap`` end to end (DeepSpeed's moves are the CPU stand-in's):
-    every prompt is trained once, both models train every step, and the wait on the moves is logged."""
+    every prompt is trained once, both models train every step, and the wait on the moves is logged. With
+    ``--oppo.critic_catch_up after_fit`` the critic scores its held chunks during training, and no sample falls
+    back to a forward pass for want of its scores."""
     prompts = str(tmp_path / "prompts.jsonl")
     tiny.write_prompts(prompts, LENGTHS, seed=3)
     steps = run(
         checkpoints, engine, tmp_path, prompts,
         "--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8",
-        "--ds.enable_sleep", "--oppo.state_moves", "overlap",
+        "--ds.enable_sleep", "--oppo.state_moves", "overlap", "--oppo.critic_catch_up", critic_catch_up,
+        "--oppo.trace_dir", str(tmp_path / "trace"),
     )  # fmt: skip
     assert sum(s["rollout/num_samples"] for s in steps) == len(LENGTHS) * 2
     for step in steps:
         assert 0 <= step["oppo/state_moves_wait_s"] <= step["timing/ppo_train"]
         assert 0 < step["oppo/critic_fit_s"] + step["oppo/policy_fit_s"] <= step["timing/ppo_train"]
+        assert step["oppo/fallback_micro_batches"] == 0
+    traces = sorted(glob.glob(str(tmp_path / "trace" / "step_*.json")))
+    assert any(prefills_while_training(trace, "critic") for trace in traces) == (critic_catch_up == "after_fit")
 
 
 def test_the_engine_scores_the_policys_logprobs(checkpoints, engine, tmp_path):
