@@ -20,9 +20,9 @@ awake through training (no ``--vllm.enable_sleep``), its carried requests and th
 beside the models' training but not while they make the step's experiences (``--oppo.colocated_decode
 during_training --oppo.top_up step_end``; ``--oppo_extra`` with ``continue`` decodes beside both).
 ``oppo-inter-awake`` is the same without intra-step streaming: what streaming adds where the groups a step trains
-finished decoding during the previous training, when the models could not score their chunks. Every system gets the same vLLM memory
-share, small enough for the frozen models to fit beside the engines (the awake systems may need a smaller one,
-through ``--oppo_extra``, to leave training its room).
+finished decoding during the previous training, when the models could not score their chunks. Every system gets
+the same vLLM memory share, small enough for the frozen models to fit beside the engines (the awake systems may
+need a smaller one, through ``--oppo_extra``, to leave training its room).
 """
 
 SYSTEMS = (
