@@ -3,6 +3,9 @@
 # Decides --oppo.intra_step auto under --train.colocate_all: OPPO must not make this step slower.
 # (Upstream async needs GPUs of its own for vLLM, so it is not in this placement.)
 # PATCHED=1 runs every system on OpenRLHF with patches/openrlhf applied (as bench_2gpu_split.sh).
+# WARMUP (default 2) steps run first and not measured: DeepSpeed pins its host buffers at a model's first state
+# offload, and OPPO's policy, awake beside vLLM with --oppo.state_moves overlap, first goes back after step 1's
+# weight sync, so its one-time cost falls in step 2. Upstream pays it in step 1.
 # TIMEOUT (s, default 600) a system: the first start on a machine compiles vLLM's kernels, which takes minutes.
 # Further arguments go to the benchmark, e.g. an OPPO variant: --tag=-name --oppo_extra=--oppo.FLAG --oppo_extra=VALUE
 # OPPO with Delta equal to the batch, and the same with the DeepSpeed state moves overlapped:
@@ -26,6 +29,6 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -m openrlhf_oppo.bench --gpus 1 --placement colocated --shape qwen2.5-1.5b \
   --systems "${SYSTEMS:-upstream-sync,oppo-intra,oppo-inter,oppo-both}" \
-  --batch 32 --steps "${STEPS:-3}" --warmup 1 --overcommit "${DELTA:-16}" \
+  --batch 32 --steps "${STEPS:-3}" --warmup "${WARMUP:-2}" --overcommit "${DELTA:-16}" \
   --lengths lognormal --mean 500 --sigma 1.0 --high 4096 \
   --timeout "${TIMEOUT:-600}" ${PATCHED:+--upstream_patches} --workdir "${WORKDIR:-/tmp/oppo-wl-1gpu}" --scratch "${SCRATCH:-/tmp/oppo-1gpu}" --out "${OUT_DIR:-runs/1gpu}" "$@"
