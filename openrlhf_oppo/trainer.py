@@ -36,7 +36,7 @@ def wait_for_awake_colocated_engines(args, vllm_engines) -> None:
     """Return once vLLM engines that stay awake on the models' GPUs (``--train.colocate_all`` without
     ``--vllm.enable_sleep``) are up. The driver loads the models as soon as this trainer exists, and vLLM refuses
     to start when memory is freed on its GPU while it profiles its own use. Upstream waits only for engines it
-    puts to sleep (``create_vllm_engines``)."""
+    puts to sleep (``create_vllm_engines``); patch 0013 waits there for awake ones too, which makes this a no-op."""
     if vllm_engines and args.train.colocate_all and not args.vllm.enable_sleep:
         ray.get([engine.__ray_ready__.remote() for engine in vllm_engines])
 

@@ -2,8 +2,8 @@
 own train_ppo_ray loads OPPO as an extension, OPPO's wrapper keeps working, and the fixes do what they
 say (prompt order seeded, tokenizer sent once, advantages equal bit for bit, a checkpoint of an episode's
 last step resumes in the next episode, the critic's training awaited first with a hook after it, the
-sleep-mode branch a method, CPU Adam on the host's cores; the bucketed weight sync of 0007 runs against a real engine in
-test_weight_sync.py)."""
+sleep-mode branch a method, CPU Adam on the host's cores, awake colocated engines up before the models load;
+the bucketed weight sync of 0007 runs against a real engine in test_weight_sync.py)."""
 
 import json
 import os
@@ -52,6 +52,7 @@ def test_there_are_patches():
         "0010",
         "0011",
         "0012",
+        "0013",
     ]
 
 
@@ -417,3 +418,46 @@ def test_patched_rollout_actor_leaves_the_text_to_those_that_read_it(patched):
         """,
     )
     assert out.split()[-3:] == ["False", "True", "True"]
+
+
+def test_patched_create_vllm_engines_waits_for_awake_engines_on_the_models_gpus(patched):
+    """Patch 0013: under --train.colocate_all with vLLM awake (a shared placement group, no sleep),
+    ``create_vllm_engines`` returns once the engines are up, so that the models load beside a started engine;
+    engines on GPUs of their own are not waited for. The engine actor starts as vLLM's does: its creation task
+    returns once the engine is up (three seconds here). Ray is told of one GPU, which nothing uses."""
+    out = run(
+        patched,
+        """
+        import asyncio, os, tempfile
+        import ray
+        from ray.util.placement_group import placement_group
+        from openrlhf.trainer.ray import vllm_engine
+
+        @ray.remote
+        class SlowStartingEngine:
+            async def __init__(self, model, **kwargs):
+                await asyncio.sleep(3)
+                open(model, "w").close()
+
+        vllm_engine.RolloutRayActor = SlowStartingEngine
+        ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+        folder = tempfile.mkdtemp()
+
+        def up_on_return(name, shared_pg):
+            marker = os.path.join(folder, name)
+            engines = vllm_engine.create_vllm_engines(1, 1, marker, 0, False, False, False, 128, shared_pg, 0.2)
+            up = os.path.exists(marker)
+            ray.get([engine.__ray_ready__.remote() for engine in engines])
+            for engine in engines:
+                ray.kill(engine)
+            return up
+
+        shared = placement_group([{"GPU": 1, "CPU": 1}], strategy="PACK")
+        ray.get(shared.ready())
+        print(up_on_return("colocated", shared))
+        ray.util.remove_placement_group(shared)
+        print(up_on_return("apart", None))
+        ray.shutdown()
+        """,
+    )
+    assert out.split()[-2:] == ["True", "False"]
