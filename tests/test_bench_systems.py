@@ -232,6 +232,18 @@ def test_benchmark_takes_a_bimodal_workload_within_its_bounds(monkeypatch):
     assert (params["short"], params["long"], params["long_fraction"], params["high"]) == (256, 6144, 0.05, 6144)
 
 
+def test_oppo_tag_names_the_oppo_systems_only(monkeypatch):
+    """--oppo_extra changes the OPPO systems only, so its --oppo_tag must not rename the upstream baseline run
+    beside them; --tag (a seed, say) names every system."""
+    from openrlhf_oppo.bench.__main__ import parse, result_name
+
+    argv = ["bench", "--out", "x", "--systems", "upstream-sync,oppo-both", "--tag=-seed1", "--oppo_tag=-vllm-0.15"]
+    monkeypatch.setattr(sys, "argv", argv + ["--oppo_extra=--vllm.gpu_memory_utilization", "--oppo_extra=0.15"])
+    args = parse()
+    names = [result_name(args, system) for system in args.systems.split(",")]
+    assert names == ["upstream-sync-seed1", "oppo-both-seed1-vllm-0.15"]
+
+
 def test_a_system_run_again_reads_its_own_steps_only(tmp_path, monkeypatch):
     """Two runs of one system in one scratch folder (two --tag variants) log to the same tensorboard folder;
     the second run's steps must not take the first one's keys."""

@@ -7,17 +7,18 @@
 # offload, and OPPO's policy, awake beside vLLM with --oppo.state_moves overlap, first goes back after step 1's
 # weight sync, so its one-time cost falls in step 2. Upstream pays it in step 1.
 # TIMEOUT (s, default 600) a system: the first start on a machine compiles vLLM's kernels, which takes minutes.
-# Further arguments go to the benchmark, e.g. an OPPO variant: --tag=-name --oppo_extra=--oppo.FLAG --oppo_extra=VALUE
+# Further arguments go to the benchmark, e.g. an OPPO variant:
+#   --oppo_tag=-name --oppo_extra=--oppo.FLAG --oppo_extra=VALUE
 # OPPO with Delta equal to the batch, and the same with the DeepSpeed state moves overlapped:
 #   PATCHED=1 STEPS=5 DELTA=32 SYSTEMS=upstream-sync,oppo-both bash examples/scripts/bench_1gpu_colocated.sh \
-#     --tag=-delta32
+#     --oppo_tag=-delta32
 #   PATCHED=1 STEPS=5 DELTA=32 SYSTEMS=oppo-both OUT_DIR=runs/1gpu-overlap \
-#     bash examples/scripts/bench_1gpu_colocated.sh --tag=-delta32-state-moves-overlap \
+#     bash examples/scripts/bench_1gpu_colocated.sh --oppo_tag=-delta32-state-moves-overlap \
 #     --oppo_extra=--oppo.state_moves --oppo_extra=overlap
 # OPPO with vLLM awake through training, its requests decoding beside the models' training. vLLM keeps its
 # memory then: a smaller share (enough KV for the batch) leaves training the room it has with vLLM asleep.
 #   PATCHED=1 STEPS=5 DELTA=32 SYSTEMS=oppo-both-awake OUT_DIR=runs/1gpu-awake \
-#     bash examples/scripts/bench_1gpu_colocated.sh --tag=-delta32-vllm-0.25 \
+#     bash examples/scripts/bench_1gpu_colocated.sh --oppo_tag=-delta32-vllm-0.25 \
 #     --oppo_extra=--vllm.gpu_memory_utilization --oppo_extra=0.25
 # OPPO awake against upstream sync, both with the models' DeepSpeed states kept on the GPU (no --ds.enable_sleep)
 # and vLLM's share small enough for the GPU to hold both (on the lognormal workload 0.25 ran out of memory, 0.15 fit):

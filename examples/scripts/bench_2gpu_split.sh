@@ -7,10 +7,11 @@
 # About 2.5 minutes a system once vLLM's kernels are compiled (the first start on a machine takes longer).
 # Systems run one after the other; to run them in parts, pass SYSTEMS and OUT_DIR and merge the parts with
 #   python -m openrlhf_oppo.bench.report runs/2gpu-a/results.json runs/2gpu-b/results.json --out runs/2gpu
-# Further arguments go to the benchmark, e.g. an OPPO variant: --tag=-name --oppo_extra=--oppo.FLAG --oppo_extra=VALUE
+# Further arguments go to the benchmark, e.g. an OPPO variant:
+#   --oppo_tag=-name --oppo_extra=--oppo.FLAG --oppo_extra=VALUE
 # The README's first rows (OPPO with Delta equal to the batch and the policy's log-probs from vLLM, 8 steps):
 #   PATCHED=1 STEPS=8 DELTA=32 SYSTEMS=oppo-both bash examples/scripts/bench_2gpu_split.sh \
-#     --tag=-delta32-policy-logprobs-vllm --oppo_extra=--oppo.policy_logprobs --oppo_extra=vllm
+#     --oppo_tag=-delta32-policy-logprobs-vllm --oppo_extra=--oppo.policy_logprobs --oppo_extra=vllm
 #   PATCHED=1 STEPS=8 SYSTEMS=upstream-async,upstream-sync OUT_DIR=runs/2gpu-base bash examples/scripts/bench_2gpu_split.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -5,7 +5,8 @@
 # groups are done and carries the long ones. Upstream sync, upstream async with partial rollout and OPPO
 # with both halves, every system on OpenRLHF with patches/openrlhf applied. The models' GPU needs more than
 # 80 GB. LONG sets the long responses' length (the limit too).
-# Further arguments go to the benchmark, e.g. an OPPO variant: --tag=-name --oppo_extra=--oppo.FLAG --oppo_extra=VALUE
+# Further arguments go to the benchmark, e.g. an OPPO variant:
+#   --oppo_tag=-name --oppo_extra=--oppo.FLAG --oppo_extra=VALUE
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

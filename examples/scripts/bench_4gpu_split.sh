@@ -19,7 +19,7 @@
 # (not measured yet).
 # VLLM_UTIL is vLLM's share of its GPUs, the same for every system; the rest holds the frozen models beside it.
 # Further arguments go to the benchmark, e.g. an OPPO variant beside the baselines:
-#   DELTA=64 SYSTEMS=oppo-both bash examples/scripts/bench_4gpu_split.sh --tag=-policy-logprobs-vllm \
+#   DELTA=64 SYSTEMS=oppo-both bash examples/scripts/bench_4gpu_split.sh --oppo_tag=-policy-logprobs-vllm \
 #     --oppo_extra=--oppo.policy_logprobs --oppo_extra=vllm
 set -euo pipefail
 cd "$(dirname "$0")/../.."

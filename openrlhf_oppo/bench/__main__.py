@@ -84,6 +84,12 @@ def parse():
         "an equals sign: --tag=-seed1",
     )
     parser.add_argument(
+        "--oppo_tag",
+        default="",
+        help="appended after --tag to the OPPO systems' names only: what --oppo_extra changes, which the upstream "
+        "systems of the same run do not get (--oppo_tag=-vllm-0.15)",
+    )
+    parser.add_argument(
         "--upstream_patches",
         action="store_true",
         help="run every system on a copy of OpenRLHF with patches/openrlhf applied (the upstream with OPPO's "
@@ -150,11 +156,16 @@ def main():
     path = os.path.join(args.out, "results.json")
     for system in tqdm(systems, desc="systems"):
         flags = system_command(args, system, workdir, args.overcommit)
-        results["systems"][system + args.tag] = run_system(system, flags, args)
+        results["systems"][result_name(args, system)] = run_system(system, flags, args)
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
     report.write(report.merge([path]), args.out)  # the tables as report makes them from results.json
     print(open(os.path.join(args.out, "table.md")).read())
+
+
+def result_name(args, system: str) -> str:
+    """The system's name in results.json: --tag names the run, --oppo_tag what only the OPPO systems were given."""
+    return system + args.tag + (args.oppo_tag if system.startswith("oppo") else "")
 
 
 def system_command(args, system: str, workdir: str, overcommit: int) -> list:
