@@ -73,6 +73,7 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
 
     # The report comes from the raw JSON alone.
     raw = json.loads((out / "results.json").read_text())
+    assert str(tmp_path) not in json.dumps(raw) and raw["settings"]["out"] == "OUT"  # no folder of this machine
     assert (out / "table.md").read_text() == learning_report.table(raw)
     for plot in ("accuracy-by-step.png", "accuracy-by-time.png", "breakdown.png"):
         assert (out / plot).stat().st_size > 0

@@ -14,7 +14,8 @@ WORDS = re.compile(
 
 def _files():
     yield ROOT / "README.md"
-    for pattern in ("docs/**/*.md", "docs/**/*.txt", "examples/**/*", "openrlhf_oppo/**/*.py"):
+    # The raw results too: the harness writes the machine's own folders as OUT, SCRATCH and WORKDIR.
+    for pattern in ("docs/**/*.md", "docs/**/*.txt", "docs/**/*.json", "examples/**/*", "openrlhf_oppo/**/*.py"):
         yield from (path for path in sorted(ROOT.glob(pattern)) if path.is_file())
 
 

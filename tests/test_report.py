@@ -191,6 +191,24 @@ def test_shown_command_leaves_out_the_machines_folders():
     ]
 
 
+def test_raw_results_name_the_machines_folders_instead_of_giving_them():
+    """What the harness writes to results.json: every whole path of its folders, in the command, the settings, the
+    flags and the logs, as OUT, SCRATCH or WORKDIR; a path that only starts like one is left alone."""
+    folders = dict(OUT="/m/run/o", SCRATCH="/m/run/s", WORKDIR="/m/run/s/workload")
+    results = {
+        "command": "python -m openrlhf_oppo.bench --workdir /m/run/s/workload --scratch /m/run/s --out /m/run/o",
+        "settings": {"out": "/m/run/o", "scratch": "/m/run/s", "steps": 3},
+        "systems": {"oppo-both": {"flags": ["--ckpt_path", "/m/run/s/ckpt/oppo-both", "--x=/m/run/ox"]}},
+    }
+    assert report.without_machine_folders(results, folders) == {
+        "command": "python -m openrlhf_oppo.bench --workdir WORKDIR --scratch SCRATCH --out OUT",
+        "settings": {"out": "OUT", "scratch": "SCRATCH", "steps": 3},
+        "systems": {"oppo-both": {"flags": ["--ckpt_path", "SCRATCH/ckpt/oppo-both", "--x=/m/run/ox"]}},
+    }
+    # --scratch defaults to --out: the same folder is OUT.
+    assert report.without_machine_folders("/m/o/tb", dict(OUT="/m/o", SCRATCH="/m/o")) == "OUT/tb"
+
+
 def test_results_record_the_commit_of_the_code():
     from openrlhf_oppo.bench.__main__ import _commit
 

@@ -202,7 +202,9 @@ def main():
         figures["tokens_per_s"] = tokens / figures["seconds"]
 
     result = dict(
-        command="python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
+        # The output file as OUT: where this machine keeps it says nothing about the figures.
+        command="python "
+        + " ".join([os.path.relpath(__file__)] + ["OUT" if a == args.out else a for a in sys.argv[1:]]),
         machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
         versions=dict(torch=torch.__version__, **({"vllm": __import__("vllm").__version__} if args.vllm else {})),
         shape=args.shape,

@@ -135,7 +135,8 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
             result = runner(name, run_flags(workdir, args.scratch, name, system, seed, args), args)
             results["systems"][name] = dict(result, system=system, seed=seed, warmup_accuracy=warm["accuracy"])
             with open(path, "w") as f:
-                json.dump(results, f, indent=1)
+                folders = dict(OUT=args.out, SCRATCH=args.scratch, WORKDIR=workdir)
+                json.dump(report.without_machine_folders(results, folders), f, indent=1)
     report.write(results, args.out)
     print(open(os.path.join(args.out, "table.md")).read())
     return results

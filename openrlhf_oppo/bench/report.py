@@ -620,6 +620,23 @@ def replace_summary(markdown: str, table_md: str) -> str:
     return markdown[:start] + "\n" + table_md + markdown[end:]
 
 
+def without_machine_folders(value, folders: dict):
+    """``value`` (what results.json holds) with each of ``folders``' paths written as its name (``OUT``,
+    ``SCRATCH``, ``WORKDIR``): where a machine kept a run's files says nothing about the run, and the raw JSON is
+    published as it is. A path is replaced only whole, the longest first, as given and as an absolute path."""
+    if isinstance(value, dict):
+        return {key: without_machine_folders(item, folders) for key, item in value.items()}
+    if isinstance(value, list):
+        return [without_machine_folders(item, folders) for item in value]
+    if not isinstance(value, str):
+        return value
+    # The first name given wins where two folders are one (--scratch defaults to --out).
+    paths = {form: name for name, path in reversed(folders.items()) if path for form in (path, os.path.abspath(path))}
+    for path in sorted(paths, key=len, reverse=True):
+        value = re.sub(r"(?<![\w./-])" + re.escape(path) + r"(?![\w.-])", paths[path], value)
+    return value
+
+
 def shown_command(results: dict) -> str:
     """The recorded command(s), one per line, without the machine's own folders: --workdir and --scratch
     are dropped, --out becomes OUT, and paths into this repository start at $PWD."""
