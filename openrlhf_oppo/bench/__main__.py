@@ -154,11 +154,11 @@ def main():
         systems={},
     )
     path = os.path.join(args.out, "results.json")
+    folders = dict(OUT=args.out, SCRATCH=args.scratch, WORKDIR=workdir)
     for system in tqdm(systems, desc="systems"):
         flags = system_command(args, system, workdir, args.overcommit)
         results["systems"][result_name(args, system)] = run_system(system, flags, args)
         with open(path, "w") as f:
-            folders = dict(OUT=args.out, SCRATCH=args.scratch, WORKDIR=workdir)
             json.dump(report.without_machine_folders(results, folders), f, indent=1)
     report.write(report.merge([path]), args.out)  # the tables as report makes them from results.json
     print(open(os.path.join(args.out, "table.md")).read())

@@ -129,13 +129,13 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
         systems={},
     )
     path = os.path.join(args.out, "results.json")
+    folders = dict(OUT=args.out, SCRATCH=args.scratch, WORKDIR=workdir)
     for seed in seeds:  # seed by seed, so that a run cut short has every system of its first seeds
         for system in tqdm(systems, desc=f"seed {seed}"):
             name = f"{system}-seed{seed}"
             result = runner(name, run_flags(workdir, args.scratch, name, system, seed, args), args)
             results["systems"][name] = dict(result, system=system, seed=seed, warmup_accuracy=warm["accuracy"])
             with open(path, "w") as f:
-                folders = dict(OUT=args.out, SCRATCH=args.scratch, WORKDIR=workdir)
                 json.dump(report.without_machine_folders(results, folders), f, indent=1)
     report.write(results, args.out)
     print(open(os.path.join(args.out, "table.md")).read())

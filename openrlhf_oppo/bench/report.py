@@ -624,17 +624,21 @@ def without_machine_folders(value, folders: dict):
     """``value`` (what results.json holds) with each of ``folders``' paths written as its name (``OUT``,
     ``SCRATCH``, ``WORKDIR``): where a machine kept a run's files says nothing about the run, and the raw JSON is
     published as it is. A path is replaced only whole, the longest first, as given and as an absolute path."""
-    if isinstance(value, dict):
-        return {key: without_machine_folders(item, folders) for key, item in value.items()}
-    if isinstance(value, list):
-        return [without_machine_folders(item, folders) for item in value]
-    if not isinstance(value, str):
-        return value
     # The first name given wins where two folders are one (--scratch defaults to --out).
-    paths = {form: name for name, path in reversed(folders.items()) if path for form in (path, os.path.abspath(path))}
-    for path in sorted(paths, key=len, reverse=True):
-        value = re.sub(r"(?<![\w./-])" + re.escape(path) + r"(?![\w.-])", paths[path], value)
-    return value
+    names = {form: name for name, path in reversed(folders.items()) if path for form in (path, os.path.abspath(path))}
+    if not names:
+        return value
+    longest_first = "|".join(re.escape(path) for path in sorted(names, key=len, reverse=True))
+    pattern = re.compile(r"(?<![\w./-])(" + longest_first + r")(?![\w.-])")
+
+    def named(item):
+        if isinstance(item, dict):
+            return {key: named(part) for key, part in item.items()}
+        if isinstance(item, list):
+            return [named(part) for part in item]
+        return pattern.sub(lambda match: names[match.group(1)], item) if isinstance(item, str) else item
+
+    return named(value)
 
 
 def shown_command(results: dict) -> str:
