@@ -171,6 +171,46 @@ def test_phase_bound_counts_the_models_phases_and_generation_only_where_it_share
     assert f"| {s['step_mean_s'] / taken:.2f} |" in row  # sync waits for generation: far from its bound
 
 
+def test_gpu_busy_by_phase_counts_back_from_each_steps_end():
+    """Each measured step splits, from its end back, into the weight sync, training and all before training;
+    each GPU's NVML samples inside a span give its busy share there. Samples outside the measured steps (the
+    warm-up) and in no step are not counted."""
+    steps = [
+        {"start": 0.0, "end": 10.0, "timing/ppo_train": 6.0, "timing/broadcast": 1.0},  # warm-up: not counted
+        {"start": 10.0, "end": 20.0, "timing/ppo_train": 6.0, "timing/broadcast": 1.0},
+        {"start": 20.0, "end": 30.0, "timing/ppo_train": 6.0, "timing/broadcast": 1.0},
+    ]
+    assert report.phase_spans(steps[1]) == {
+        "before training": (10.0, 13.0),
+        "training": (13.0, 19.0),
+        "weight sync": (19.0, 20.0),
+    }
+
+    def util(t):  # GPU 0 trains (80% busy) and syncs (50%); GPU 1 decodes before training (90%)
+        phase = (t % 10) // 1
+        if phase < 3:
+            return [10.0, 90.0]
+        return [80.0, 0.0] if phase < 9 else [50.0, 20.0]
+
+    samples = [[t / 10, util(t / 10), [1.0, 1.0]] for t in range(0, 300)]
+    samples[:100] = [[t / 10, [100.0, 100.0], [1.0, 1.0]] for t in range(0, 100)]
+    run = {
+        "settings": {"warmup": 1, "steps": 2},
+        "systems": {
+            "oppo-both": {"steps": steps, "gpu_samples": samples, "summary": {"step_mean_s": 10.0}},
+            "upstream-sync": {"steps": steps, "summary": {"step_mean_s": 12.0}},  # no NVML samples: no row
+        },
+    }
+    assert report.phase_busy_table(run) == [
+        "| system | GPU busy % before training | GPU busy % in training | GPU busy % in the weight sync |",
+        "|---|---|---|---|",
+        "| oppo-both | 10 / 90 | 80 / 0 | 50 / 20 |",
+    ]
+    # A step whose training took longer than its wall time (async: it began before the previous step's log).
+    long = {"start": 10.0, "end": 20.0, "timing/ppo_train": 12.0, "timing/broadcast": 1.0}
+    assert report.phase_spans(long)["before training"] == (10.0, 10.0)
+
+
 def test_table_names_the_micro_batches_where_the_run_recorded_them():
     run = report.run_results(str(RESULTS / "split-4gpu-3b-lognormal-patched"))
     assert "micro-batches" not in report.table(run)  # made before the options: 8 and 2

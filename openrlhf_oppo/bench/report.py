@@ -12,7 +12,8 @@ runs are left out), or with ``--into`` replaces the summary block of that markdo
 Where an OPPO system and an upstream baseline trained the same samples at some measured steps, a table
 compares their steps there (equal work; over all measured steps, OPPO with a large Delta trains the short
 responses first). Runs of 10 steps or more also get a convergence table (reward per step, time to a target reward) and
-plot; runs that logged ``oppo/memory/*`` get a memory table and plot (every actor's memory per step), and
+plot; runs with the harness's NVML samples get each GPU's busy share before training, in training and in the
+weight sync; runs that logged ``oppo/memory/*`` get a memory table and plot (every actor's memory per step), and
 runs with host CPU samples or ``oppo/cpu/*`` a CPU table. Runs of the learning benchmark (``--task``) get
 their own table and plots (``learning_report.py``).
 A step's time is the wall time between its log and the previous step's (all phases, queue waits and
@@ -160,6 +161,9 @@ def table(results: dict) -> str:
             f" | {_ratio(s['step_mean_s'], phases)}"
             f" | {_speedup_cell(baselines['sync'], s)} | {_speedup_cell(baselines['async'], s)} | {util_ratio} |"
         )
+    busy = phase_busy_table(results)
+    if busy:
+        lines += ["", *busy]
     oppo = [(n, r["summary"]) for n, r in systems.items() if r.get("summary") and n.startswith("oppo")]
     if oppo:
         lines += ["", "| OPPO system | " + " | ".join(OPPO_KEYS) + " |", "|---|" + "---|" * len(OPPO_KEYS)]
@@ -181,6 +185,43 @@ def measured_steps(results: dict, result: dict) -> list:
     """A system's measured steps: those after the warm-up, as many as the run measured."""
     warmup, count = results["settings"]["warmup"], results["settings"]["steps"]
     return (result.get("steps") or [])[warmup : warmup + count]
+
+
+def phase_spans(step: dict) -> dict:
+    """A step's wall time in three spans, counted back from its end: the weight sync, training before it, and
+    all before training (generation and make_experience, or whatever the trainer waited for where generation
+    overlaps training)."""
+    sync_start = step["end"] - step.get("timing/broadcast", 0.0)
+    train_start = max(step["start"], sync_start - step.get("timing/ppo_train", 0.0))
+    return {
+        "before training": (step["start"], train_start),
+        "training": (train_start, sync_start),
+        "weight sync": (sync_start, step["end"]),
+    }
+
+
+def phase_busy_table(results: dict) -> list:
+    """Per system, the share of each span of the measured steps (``phase_spans``) in which each GPU ran kernels,
+    from the harness's NVML samples. Training's own share says how much of the gap between a step and its
+    bound (the busiest GPU's kernel time) lies between training's kernels, where no overlap can reach."""
+    rows = []
+    for name, result in results["systems"].items():
+        samples, steps = result.get("gpu_samples"), measured_steps(results, result)
+        if not samples or not result.get("summary"):
+            continue
+        cells = []
+        for phase in ("before training", "training", "weight sync"):
+            spans = [phase_spans(step)[phase] for step in steps]
+            inside = [util for t, util, _ in samples if any(start <= t < end for start, end in spans)]
+            cells.append(" / ".join(f"{sum(gpu) / len(inside):.0f}" for gpu in zip(*inside)) if inside else "-")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [
+        "| system | GPU busy % before training | GPU busy % in training | GPU busy % in the weight sync |",
+        "|---|---|---|---|",
+        *rows,
+    ]
 
 
 def _trained(step: dict):
