@@ -2,6 +2,7 @@
 table.md, the summary table and each run's section (command, raw files, table)."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -247,6 +248,30 @@ def test_raw_results_name_the_machines_folders_instead_of_giving_them():
     }
     # --scratch defaults to --out: the same folder is OUT.
     assert report.without_machine_folders("/m/o/tb", dict(OUT="/m/o", SCRATCH="/m/o")) == "OUT/tb"
+    # The checkout the harness runs from: a reward function's path and a traceback's start at $PWD, an output
+    # folder inside the checkout stays OUT.
+    folders = report.machine_folders(str(ROOT / "runs" / "o"), None, "/m/w")
+    flags = ["--reward.remote_url", f"{ROOT}/examples/reward/digit_reward.py", f"{ROOT}/runs/o/tb", f"{ROOT}x/y"]
+    assert report.without_machine_folders(flags, folders) == [
+        "--reward.remote_url",
+        "$PWD/examples/reward/digit_reward.py",
+        "OUT/tb",
+        f"{ROOT}x/y",
+    ]
+
+
+def test_committed_raw_results_give_no_machine_folders():
+    """The raw JSON in docs/results names the folders a run used (OUT, SCRATCH, WORKDIR, $PWD): no path into a
+    checkout of this repository and nothing under /tmp, where every machine keeps different things."""
+    into_checkout = re.compile(r"(?<![\w$.])/[\w./+-]*/(openrlhf_oppo|examples|tests)/")
+    hits = []
+    for path in sorted(RESULTS.glob("**/*.json")):
+        text = path.read_text()
+        hits += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in into_checkout.finditer(text)]
+        hits += [f"{path.relative_to(ROOT)}: /tmp/" for _ in re.finditer(r'"/tmp/', text)]
+    assert not hits, "\n".join(hits[:20])
+    assert into_checkout.search('"/m/checkout/openrlhf_oppo/trainer.py"')
+    assert not into_checkout.search('"$PWD/openrlhf_oppo/trainer.py"')
 
 
 def test_results_record_the_commit_of_the_code():

@@ -20,6 +20,7 @@ import statistics
 import torch
 
 from openrlhf_oppo import tiny
+from openrlhf_oppo.bench import report
 
 
 def load_rule_reward(name):
@@ -99,7 +100,9 @@ def main():
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), curves=curves, summary=summary), f, indent=1)
+            folders = report.machine_folders(os.path.dirname(os.path.abspath(args.out)), None, args.workdir)
+            results = dict(args=vars(args), curves=curves, summary=summary)
+            json.dump(report.without_machine_folders(results, folders), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def main():
         systems={},
     )
     path = os.path.join(args.out, "results.json")
-    folders = dict(OUT=args.out, SCRATCH=args.scratch, WORKDIR=workdir)
+    folders = report.machine_folders(args.out, args.scratch, workdir)
     for system in tqdm(systems, desc="systems"):
         flags = system_command(args, system, workdir, args.overcommit)
         results["systems"][result_name(args, system)] = run_system(system, flags, args)

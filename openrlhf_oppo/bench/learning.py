@@ -129,7 +129,7 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
         systems={},
     )
     path = os.path.join(args.out, "results.json")
-    folders = dict(OUT=args.out, SCRATCH=args.scratch, WORKDIR=workdir)
+    folders = report.machine_folders(args.out, args.scratch, workdir)
     for seed in seeds:  # seed by seed, so that a run cut short has every system of its first seeds
         for system in tqdm(systems, desc=f"seed {seed}"):
             name = f"{system}-seed{seed}"

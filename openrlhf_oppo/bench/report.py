@@ -661,6 +661,19 @@ def replace_summary(markdown: str, table_md: str) -> str:
     return markdown[:start] + "\n" + table_md + markdown[end:]
 
 
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def machine_folders(out: str, scratch: str, workdir: str) -> dict:
+    """The folders a run's results name instead of giving them (``without_machine_folders``): the harness's own,
+    and the checkout it runs from, whose paths (a reward function's, a traceback's) are written from ``$PWD``.
+    An installed package has no checkout: its folder is site-packages, which other packages' paths share."""
+    folders = {"OUT": out, "SCRATCH": scratch, "WORKDIR": workdir}
+    if os.path.exists(os.path.join(CHECKOUT, "pyproject.toml")):
+        folders["$PWD"] = CHECKOUT
+    return folders
+
+
 def without_machine_folders(value, folders: dict):
     """``value`` (what results.json holds) with each of ``folders``' paths written as its name (``OUT``,
     ``SCRATCH``, ``WORKDIR``): where a machine kept a run's files says nothing about the run, and the raw JSON is
