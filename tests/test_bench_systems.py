@@ -168,19 +168,20 @@ def test_learning_benchmark_run_is_a_valid_command(system, monkeypatch):
 
 def test_learning_benchmarks_schedule_keeps_the_learning_rate_after_its_warm_up():
     """What OpenRLHF's strategy builds from --actor.lr_scheduler for a learning run: transformers' scheduler of that
-    name, with OpenRLHF's 3% warm-up and no min_lr_rate (which only its cosine schedules take)."""
+    name, with the run's --actor.lr_warmup_ratio (OpenRLHF's default) and no min_lr_rate (which only its cosine
+    schedules take). After the warm-up the rate stays at the run's."""
     options = learning.parse(["--task", "addition", "--out", "/o"])
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=options.lr)
+    args = parse_args(learning.run_flags("/w", "/o", "oppo-both-seed0", "oppo-both", 0, options))
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=args.actor.adam.lr)
     steps = options.steps * options.updates
-    schedule = get_scheduler(
-        options.lr_scheduler, optimizer, num_warmup_steps=math.ceil(steps * 0.03), num_training_steps=steps
-    )
+    warmup = math.ceil(steps * args.actor.lr_warmup_ratio)  # as DeepspeedStrategy builds it
+    schedule = get_scheduler(args.actor.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=steps)
     rates = []
     for _ in range(steps):
         rates.append(schedule.get_last_lr()[0])
         optimizer.step()
         schedule.step()
-    assert rates[0] == 0 and rates[math.ceil(steps * 0.03) :] == [options.lr] * (steps - math.ceil(steps * 0.03))
+    assert 0 < warmup < steps and rates[0] == 0 and rates[warmup:] == [options.lr] * (steps - warmup)
 
 
 @pytest.mark.parametrize("system", ["upstream-sync", "upstream-async", "oppo-both"])
