@@ -212,6 +212,31 @@ def test_gpu_busy_by_phase_counts_back_from_each_steps_end():
     assert report.phase_spans(long)["before training"] == (10.0, 10.0)
 
 
+def test_a_first_measured_step_far_above_the_others_is_noted():
+    """A system whose first measured step took 1.5x or more the median of its other measured steps gets a line
+    under the table: a one-time cost may weigh on its mean. The warm-up steps are not looked at."""
+
+    def steps(walls):
+        ends = [sum(walls[: i + 1]) for i in range(len(walls))]
+        return [{"start": end - wall, "end": end} for wall, end in zip(walls, ends)]
+
+    run = {
+        "settings": {"warmup": 1, "steps": 4},
+        "systems": {
+            "oppo-both": {"steps": steps([40.0, 18.0, 12.0, 11.0, 13.0]), "summary": {"step_mean_s": 13.5}},
+            "upstream-sync": {"steps": steps([40.0, 17.0, 12.0, 11.0, 13.0]), "summary": {"step_mean_s": 13.2}},
+        },
+    }
+    assert report.first_step_notes(run) == [
+        "- oppo-both: the first measured step took 18.00 s, 1.5x the median of the others (12.00 s); a one-time cost"
+        " may have fallen in it (more `--warmup` steps leave it out)."
+    ]
+    table = report.run_results(str(RESULTS / "colocated-1gpu-1.5b-lognormal-patched-state-moves-outside-training"))
+    assert sum("the first measured step took" in line for line in report.table(table).splitlines()) == 2
+    table = report.run_results(str(RESULTS / "colocated-1gpu-1.5b-lognormal-patched-two-warm-up-steps"))
+    assert "the first measured step took" not in report.table(table)
+
+
 def test_table_names_the_micro_batches_where_the_run_recorded_them():
     run = report.run_results(str(RESULTS / "split-4gpu-3b-lognormal-patched"))
     assert "micro-batches" not in report.table(run)  # made before the options: 8 and 2

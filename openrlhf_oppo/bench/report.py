@@ -31,6 +31,7 @@ import statistics
 from openrlhf_oppo.bench import learning_report
 
 PHASES = ("generation", "make_experience", "ppo_train", "broadcast")
+FIRST_STEP_OUTLIER = 1.5
 OPPO_KEYS = (
     "prefill_hidden_fraction",
     "last_token_to_experience_s",
@@ -161,6 +162,9 @@ def table(results: dict) -> str:
             f" | {_ratio(s['step_mean_s'], phases)}"
             f" | {_speedup_cell(baselines['sync'], s)} | {_speedup_cell(baselines['async'], s)} | {util_ratio} |"
         )
+    notes = first_step_notes(results)
+    if notes:
+        lines += ["", *notes]
     busy = phase_busy_table(results)
     if busy:
         lines += ["", *busy]
@@ -185,6 +189,24 @@ def measured_steps(results: dict, result: dict) -> list:
     """A system's measured steps: those after the warm-up, as many as the run measured."""
     warmup, count = results["settings"]["warmup"], results["settings"]["steps"]
     return (result.get("steps") or [])[warmup : warmup + count]
+
+
+def first_step_notes(results: dict) -> list:
+    """A line for each system whose first measured step took at least ``FIRST_STEP_OUTLIER`` times the median of
+    its other measured steps: a one-time cost (a first state offload, a compile) may have fallen in it and
+    weighs on its mean."""
+    notes = []
+    for name, result in results["systems"].items():
+        walls = [step["end"] - step["start"] for step in measured_steps(results, result)]
+        if len(walls) < 3 or not result.get("summary"):
+            continue
+        others = statistics.median(walls[1:])
+        if walls[0] >= FIRST_STEP_OUTLIER * others:
+            notes.append(
+                f"- {name}: the first measured step took {walls[0]:.2f} s, {walls[0] / others:.1f}x the median of the"
+                f" others ({others:.2f} s); a one-time cost may have fallen in it (more `--warmup` steps leave it out)."
+            )
+    return notes
 
 
 def phase_spans(step: dict) -> dict:
