@@ -31,7 +31,15 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from openrlhf_oppo.protocol import ROLES, ResourceReading, ScoredSequence, ScorerStats, StreamInfo
+from openrlhf_oppo.protocol import (
+    ROLES,
+    ResourceReading,
+    ScoredSequence,
+    ScorerSettings,
+    ScorerStats,
+    StreamInfo,
+    StreamSettings,
+)
 
 
 class OPPOActorError(RuntimeError):
@@ -99,15 +107,21 @@ class StreamCoordinator:
 
     # -- set-up --------------------------------------------------------------------------------------
 
-    def connect(self, scorer_settings: dict, stream_settings: dict, affinity: Optional[Dict[str, List[int]]] = None):
-        """Build each scoring actor's scorer, then tell every rollout actor where to stream.
+    def connect(
+        self,
+        scorer: Optional[ScorerSettings],
+        stream: StreamSettings,
+        affinity: Optional[Dict[str, List[int]]] = None,
+    ) -> None:
+        """Build each scoring actor's scorer, then tell every rollout actor where and how to stream (``scorer`` is
+        not needed where no model streams: the rollout actors then only track their samples).
 
         ``affinity``: role -> for each engine, the rank it sends that role's chunks to (a frozen scorer
         sharing the engine's GPU, say). Roles left out are balanced over their ranks by each engine.
         """
         streamed = self._scoring_actors()
         self._wait(
-            [(f"{role} rank {rank}", actor.oppo_setup.remote(role=role, **scorer_settings))
+            [(f"{role} rank {rank}", actor.oppo_setup.remote(role, scorer))
              for role, actors in streamed.items() for rank, actor in enumerate(actors)],
             "setting up the scorers",
         )  # fmt: skip
@@ -117,7 +131,7 @@ class StreamCoordinator:
             connect = engine.oppo_connect.remote(
                 streamed,
                 pinned,
-                **stream_settings,
+                stream,
                 engine_index=index,
                 score_policy="policy" in self.scored_by_engines,
             )

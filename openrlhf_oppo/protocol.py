@@ -5,6 +5,11 @@ the metrics and the traces: ``policy`` (old log-probs), ``critic`` (values), ``r
 (log-probs for the KL term). Upstream's option groups call the policy ``actor`` and the reference ``ref``
 (``--actor.*``, ``--ref.*``).
 
+Settings, sent once when the trainer connects (``StreamCoordinator.connect``):
+
+* ``ScorerSettings``: how a scoring actor builds its scorer (``oppo_setup``);
+* ``StreamSettings``: how a rollout actor streams its sequences (``oppo_connect``).
+
 Messages, in the order a sequence meets them:
 
 * ``Chunk``: tokens of one sequence, from a rollout actor to one scoring actor per streamed role;
@@ -26,6 +31,33 @@ import torch
 ROLES = ("policy", "critic", "reward", "reference")
 # The frozen roles: their weights never change, so their scores never go stale.
 FROZEN_ROLES = ("reward", "reference")
+
+
+@dataclass
+class ScorerSettings:
+    """A scoring actor's scorer: the KV it may keep for streamed sequences (``--oppo.cache_budget_gb``), the
+    sampling temperature its log-probs divide by (``--rollout.temperature``), the tokens one prefill forward
+    takes (``--oppo.max_prefill_tokens``, ``--oppo.max_prefill_cached_tokens``), and whether it traces."""
+
+    cache_budget_bytes: int
+    temperature: float
+    max_tokens_per_forward: int
+    max_cached_tokens_per_forward: int
+    trace: bool = False
+
+
+@dataclass
+class StreamSettings:
+    """How a rollout actor streams: tokens a chunk (``--oppo.chunk_size``), whether requests outlive weight updates
+    (inter-step overlap: prompts salted per version), its prefill calls in flight to one scoring actor and how long
+    it gathers chunks into one (``--oppo.prefill_calls_in_flight``, ``--oppo.flush_interval_ms``), and whether it
+    traces."""
+
+    chunk_size: int
+    salt_prompts: bool
+    calls_in_flight: int
+    flush_interval_s: float
+    trace: bool = False
 
 
 @dataclass

@@ -23,7 +23,7 @@ from openrlhf_oppo.coordinator import StreamCoordinator, phase
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
-from openrlhf_oppo.protocol import FROZEN_ROLES, ROLES, ResourceReading
+from openrlhf_oppo.protocol import FROZEN_ROLES, ROLES, ResourceReading, ScorerSettings, StreamSettings
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming.chunking import ChunkSizeController
 from openrlhf_oppo.trace import Tracer, write_trace
@@ -141,14 +141,14 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     def fit(self, global_step: int = 0) -> None:
         oppo = self.args.oppo
         self.coordinator.connect(
-            scorer_settings=dict(
+            ScorerSettings(
                 cache_budget_bytes=int(oppo.cache_budget_gb * 2**30),
                 temperature=self.args.rollout.temperature,
                 max_tokens_per_forward=oppo.max_prefill_tokens,
                 max_cached_tokens_per_forward=oppo.max_prefill_cached_tokens,
                 trace=self.tracer.enabled,
             ),
-            stream_settings=dict(
+            StreamSettings(
                 chunk_size=self.chunk_controller.chunk_size,
                 salt_prompts=oppo.inter_step,
                 calls_in_flight=oppo.prefill_calls_in_flight,

@@ -6,8 +6,8 @@ import pytest
 import ray
 
 from openrlhf_oppo.coordinator import OPPOActorError, StreamCoordinator
-from openrlhf_oppo.protocol import StreamInfo
-from openrlhf_oppo.testing.cpu_pipeline import ACTOR_CLASSES
+from openrlhf_oppo.protocol import ScorerSettings, StreamInfo
+from openrlhf_oppo.testing.cpu_pipeline import ACTOR_CLASSES, stream_settings
 
 
 class _Group:
@@ -29,10 +29,8 @@ def test_a_dead_scorer_is_named(ray_session, checkpoints, ppo_args):
     scorer = ACTOR_CLASSES["reward"].remote(1, 0, None, None)
     ray.get(scorer.init_model_from_pretrained.remote(get_strategy(ppo_args), checkpoints["reward"]))
     coordinator = StreamCoordinator([], {"reward": _Group([scorer])})
-    coordinator.connect(
-        dict(cache_budget_bytes=1 << 20, temperature=1.0, max_tokens_per_forward=64, max_cached_tokens_per_forward=64),
-        {},
-    )
+    settings = ScorerSettings(1 << 20, 1.0, max_tokens_per_forward=64, max_cached_tokens_per_forward=64)
+    coordinator.connect(settings, stream_settings(8, salt_prompts=False))
     assert coordinator.stats()["reward"][0].waiting == 0
     ray.kill(scorer)
     _wait_until_dead(scorer)

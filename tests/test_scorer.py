@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from openrlhf_oppo.protocol import Chunk
+from openrlhf_oppo.protocol import Chunk, ScorerSettings
 from openrlhf_oppo.streaming.actors import StreamingScorerMixin
 from openrlhf_oppo.streaming.scorer import ChunkScorer
 
@@ -181,7 +181,7 @@ class _ScoringActor(StreamingScorerMixin):
 def test_discarded_sequences_are_not_kept(models):
     actor = _ScoringActor(models["reward"])
     actor.oppo_setup(
-        "reward", 1 << 30, temperature=1.0, max_tokens_per_forward=4096, max_cached_tokens_per_forward=4096
+        "reward", ScorerSettings(1 << 30, 1.0, max_tokens_per_forward=4096, max_cached_tokens_per_forward=4096)
     )
     actor.oppo_prefill([Chunk(uid, 0, [5, 6, 7, 8], 2) for uid in ("early", "late", "kept")])
 

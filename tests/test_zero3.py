@@ -21,6 +21,7 @@ from test_scorer import TEMPERATURE, TOLERANCE, make_batch
 from openrlhf_oppo.protocol import Chunk
 from openrlhf_oppo.streaming import actors
 from openrlhf_oppo.streaming.zero3 import is_partitioned
+from openrlhf_oppo.testing.cpu_pipeline import scorer_settings
 
 WORLD_SIZE = 2
 CHUNK_SIZES = (3, 16)  # per rank
@@ -164,12 +165,7 @@ class _Trainable:
 
 
 # The scorers' settings (``oppo_setup``), the same for every role.
-SCORER_SETTINGS = dict(
-    cache_budget_bytes=1 << 30,
-    temperature=TEMPERATURE,
-    max_tokens_per_forward=16384,
-    max_cached_tokens_per_forward=65536,
-)
+SCORER_SETTINGS = scorer_settings(1 << 30, TEMPERATURE)
 
 
 def _frozen_actor(role, checkpoints):
@@ -202,7 +198,7 @@ def _frozen_actor(role, checkpoints):
     if role == "reward":
         model = actor.model.module
         model.mean[0], model.std[0] = 0.3, 2.0  # as _load_models' upstream reward model
-    actor.oppo_setup(role=role, **SCORER_SETTINGS)
+    actor.oppo_setup(role, SCORER_SETTINGS)
     return actor
 
 
@@ -211,7 +207,7 @@ def _scoring_actor(role, model):
     ``model``, with ``_Trainable``'s fit."""
     base = (actors._TrainableScorerMixin, _Trainable)
     actor = type(f"{role}Scorer", base, {"oppo_model": lambda self: model})()
-    actor.oppo_setup(role=role, **SCORER_SETTINGS)
+    actor.oppo_setup(role, SCORER_SETTINGS)
     return actor
 
 

@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from vllm import SamplingParams
 
 from openrlhf_oppo import tiny
+from openrlhf_oppo.protocol import StreamSettings
 from openrlhf_oppo.testing import cpu_pipeline
 
 
@@ -58,7 +59,7 @@ def measure(model: str, interval: int, text: bool, args) -> dict:
         executor = text_reading_executor()
         ray.get(engine.__ray_call__.remote(lambda actor: setattr(actor, "executor", executor)))
     # Streamed as OPPO streams carried requests (salted prompts, no scorers to send chunks to).
-    ray.get(engine.oppo_connect.remote({}, {}, 64, True, 1, 0.0))
+    ray.get(engine.oppo_connect.remote({}, {}, StreamSettings(64, True, calls_in_flight=1, flush_interval_s=0.0)))
     ray.get(engine.oppo_set_tokenizer.remote(AutoTokenizer.from_pretrained(model)))
     params = SamplingParams(temperature=1.0, max_tokens=args.tokens, min_tokens=args.tokens, ignore_eos=True)
     ray.get(engine.generate_responses.remote("warm up", None, params, args.tokens + 64, None, 1))

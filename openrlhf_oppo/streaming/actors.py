@@ -21,7 +21,7 @@ from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 from openrlhf.trainer.ray.ppo_critic import CriticModelActor
 
-from openrlhf_oppo.protocol import Chunk, ResourceReading, ScorerStats
+from openrlhf_oppo.protocol import Chunk, ResourceReading, ScorerSettings, ScorerStats
 from openrlhf_oppo.streaming.scorer import ChunkScorer, unwrap_model
 from openrlhf_oppo.streaming.zero3 import InferenceCopy, is_partitioned
 from openrlhf_oppo.trace import Tracer
@@ -46,15 +46,7 @@ class StreamingScorerMixin:
     def oppo_model(self) -> torch.nn.Module:
         raise NotImplementedError
 
-    def oppo_setup(
-        self,
-        role: str,
-        cache_budget_bytes: int,
-        temperature: float,
-        max_tokens_per_forward: int,
-        max_cached_tokens_per_forward: int,
-        trace: bool = False,
-    ) -> None:
+    def oppo_setup(self, role: str, settings: ScorerSettings) -> None:
         """Build the scorer (after ``init_model_from_pretrained``)."""
         self.oppo_role = role
         model = unwrap_model(self.oppo_model())
@@ -63,12 +55,12 @@ class StreamingScorerMixin:
         self.oppo_scorer = ChunkScorer(
             model if self.oppo_copy is None else self.oppo_copy.module,
             role,
-            cache_budget_bytes=cache_budget_bytes,
-            temperature=temperature,
-            max_tokens_per_forward=max_tokens_per_forward,
-            max_cached_tokens_per_forward=max_cached_tokens_per_forward,
+            cache_budget_bytes=settings.cache_budget_bytes,
+            temperature=settings.temperature,
+            max_tokens_per_forward=settings.max_tokens_per_forward,
+            max_cached_tokens_per_forward=settings.max_cached_tokens_per_forward,
         )
-        self.oppo_tracer = Tracer(enabled=trace, process=f"{role} scorer")
+        self.oppo_tracer = Tracer(enabled=settings.trace, process=f"{role} scorer")
         self.oppo_finished = {}  # uid -> ScoredSequence, until the trainer collects it
         self.oppo_discarded = set()  # uids discarded before their last chunk landed (tombstones)
 

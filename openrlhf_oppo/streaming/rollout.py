@@ -30,7 +30,7 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
-from openrlhf_oppo.protocol import Chunk, ResourceReading, ScorerStats, StreamInfo
+from openrlhf_oppo.protocol import Chunk, ResourceReading, ScorerStats, StreamInfo, StreamSettings
 from openrlhf_oppo.streaming.engine_logprobs import EngineLogprobs
 from openrlhf_oppo.streaming.reaper import end_children_with_this_process
 from openrlhf_oppo.trace import Tracer
@@ -273,27 +273,25 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         self,
         scorers: Dict[str, List],
         pinned: Dict[str, int],
-        chunk_size: int,
-        salt_prompts: bool,
-        calls_in_flight: int,
-        flush_interval_s: float,
+        settings: StreamSettings,
         engine_index: int = 0,
         score_policy: bool = False,
-        trace: bool = False,
     ) -> None:
-        """Stream to ``scorers`` (role -> actor handle per rank) from now on; ``pinned``: role -> the rank
-        that scores every sequence of this engine. ``salt_prompts``: requests outlive weight updates.
-        ``score_policy``: this engine, ``engine_index`` among them, scores the policy's log-probs itself.
-        ``trace``: record spans for ``oppo_drain_trace`` (``--oppo.trace_dir``)."""
+        """Stream to ``scorers`` (role -> actor handle per rank) from now on, as ``settings`` say; ``pinned``:
+        role -> the rank that scores every sequence of this engine. ``score_policy``: this engine,
+        ``engine_index`` among them, scores the policy's log-probs itself. With ``settings.trace`` it records
+        spans for ``oppo_drain_trace`` (``--oppo.trace_dir``)."""
         await self.oppo_disconnect()
-        self.tracer.enabled = trace
+        self.tracer.enabled = settings.trace
         if scorers:
-            self.outbox = ChunkOutbox(scorers, pinned, calls_in_flight, flush_interval_s)
-        self.chunk_size = chunk_size
-        self.salt_prompts = salt_prompts
+            self.outbox = ChunkOutbox(scorers, pinned, settings.calls_in_flight, settings.flush_interval_s)
+        self.chunk_size = settings.chunk_size
+        self.salt_prompts = settings.salt_prompts
         self.engine_index = engine_index
         if score_policy:
-            self.policy_logprobs = EngineLogprobs(self.llm, lambda: self.weight_version, salt_prompts, self.tracer)
+            self.policy_logprobs = EngineLogprobs(
+                self.llm, lambda: self.weight_version, settings.salt_prompts, self.tracer
+            )
 
     async def oppo_disconnect(self) -> None:
         if self.outbox is not None:

@@ -28,7 +28,7 @@ from openrlhf_oppo.coordinator import StreamCoordinator
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
-from openrlhf_oppo.protocol import ROLES
+from openrlhf_oppo.protocol import ROLES, ScorerSettings, StreamSettings
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming import actors
 from openrlhf_oppo.streaming.rollout import CONCURRENCY_GROUPS, OPPORolloutActor
@@ -153,9 +153,18 @@ ACTOR_CLASSES = {
     "reward": ray.remote(CPURewardModelActor),
     "reference": ray.remote(CPUReferenceModelActor),
 }
-# What the OPPO trainer passes when it connects (``--oppo.*`` defaults).
-STREAM_SETTINGS = dict(calls_in_flight=2, flush_interval_s=0.005)
-SCORER_SETTINGS = dict(max_tokens_per_forward=16384, max_cached_tokens_per_forward=65536)
+
+
+def stream_settings(chunk_size: int, salt_prompts: bool) -> StreamSettings:
+    """What the OPPO trainer sends the rollout actors when it connects, with the ``--oppo.*`` defaults."""
+    return StreamSettings(chunk_size, salt_prompts, calls_in_flight=2, flush_interval_s=0.005)
+
+
+def scorer_settings(cache_budget_bytes: int, temperature: float) -> ScorerSettings:
+    """What the OPPO trainer sends the scoring actors when it connects, with the ``--oppo.*`` defaults."""
+    return ScorerSettings(
+        cache_budget_bytes, temperature, max_tokens_per_forward=16384, max_cached_tokens_per_forward=65536
+    )
 
 
 class GlooGroup:
@@ -315,8 +324,8 @@ class CPUPipeline:
     def connect(self, chunk_size: int, cache_budget_bytes: int = 1 << 30, salt_prompts: bool = False, affinity=None):
         """Stream to every model (as ``OPPOTrainer`` does with ``--oppo.enable``)."""
         self.coordinator.connect(
-            dict(SCORER_SETTINGS, cache_budget_bytes=cache_budget_bytes, temperature=self.args.rollout.temperature),
-            dict(STREAM_SETTINGS, chunk_size=chunk_size, salt_prompts=salt_prompts),
+            scorer_settings(cache_budget_bytes, self.args.rollout.temperature),
+            stream_settings(chunk_size, salt_prompts),
             affinity=affinity,
         )
 
