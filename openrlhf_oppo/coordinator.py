@@ -109,12 +109,11 @@ class StreamCoordinator:
 
     def connect(
         self,
-        scorer: Optional[ScorerSettings],
+        scorer: ScorerSettings,
         stream: StreamSettings,
         affinity: Optional[Dict[str, List[int]]] = None,
     ) -> None:
-        """Build each scoring actor's scorer, then tell every rollout actor where and how to stream (``scorer`` is
-        not needed where no model streams: the rollout actors then only track their samples).
+        """Build each scoring actor's scorer, then tell every rollout actor where and how to stream.
 
         ``affinity``: role -> for each engine, the rank it sends that role's chunks to (a frozen scorer
         sharing the engine's GPU, say). Roles left out are balanced over their ranks by each engine.

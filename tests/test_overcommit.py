@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from vllm import SamplingParams
 
 from openrlhf_oppo.coordinator import StreamCoordinator
-from openrlhf_oppo.testing.cpu_pipeline import prompt_dataloader, stream_settings
+from openrlhf_oppo.testing.cpu_pipeline import prompt_dataloader, scorer_settings, stream_settings
 
 pytestmark = pytest.mark.engine
 
@@ -195,7 +195,9 @@ def test_weight_update_with_a_request_in_flight(pipeline, engine, checkpoints, c
     length = 200
     original, changed = _other_weights(checkpoints["actor"], tmp_path)
     coordinator = StreamCoordinator([engine], {})
-    coordinator.connect(None, stream_settings(8, salt_prompts=True))  # inter-step: samples tracked
+    coordinator.connect(
+        scorer_settings(1 << 30, 1.0), stream_settings(8, salt_prompts=True)
+    )  # inter-step: samples tracked
     try:
         running = engine.generate_responses.remote(prompt, str(length), _greedy(length, 0), 256, tokenizer, 1)
         while not any(n >= 5 for n in ray.get(engine.oppo_in_flight.remote()).values()):
@@ -223,4 +225,4 @@ def test_weight_update_with_a_request_in_flight(pipeline, engine, checkpoints, c
     finally:
         ray.get(engine.load_weights.remote(original))
         coordinator.resume(0)
-        coordinator.connect(None, stream_settings(8, salt_prompts=False))
+        coordinator.connect(scorer_settings(1 << 30, 1.0), stream_settings(8, salt_prompts=False))

@@ -218,7 +218,7 @@ def test_a_first_measured_step_far_above_the_others_is_noted():
 
     def steps(walls):
         ends = [sum(walls[: i + 1]) for i in range(len(walls))]
-        return [{"start": end - wall, "end": end} for wall, end in zip(walls, ends)]
+        return [{"start": end - wall, "end": end, "wall_s": wall} for wall, end in zip(walls, ends)]
 
     run = {
         "settings": {"warmup": 1, "steps": 4},

@@ -22,7 +22,7 @@ from vllm import SamplingParams
 
 from openrlhf_oppo.bench.patched_upstream import make_patched_copy
 from openrlhf_oppo.coordinator import StreamCoordinator
-from openrlhf_oppo.testing.cpu_pipeline import GlooGroup, stream_settings
+from openrlhf_oppo.testing.cpu_pipeline import GlooGroup, scorer_settings, stream_settings
 from openrlhf_oppo.weight_sync import (
     SyncPlan,
     WeightSyncRolloutMixin,
@@ -206,7 +206,9 @@ def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, g
     old = _completion(engine, prompt_ids, length)
     buckets = plan_buckets(params, 64 << 10)
     coordinator = StreamCoordinator([engine], {})
-    coordinator.connect(None, stream_settings(8, salt_prompts=True))  # inter-step: samples tracked
+    coordinator.connect(
+        scorer_settings(1 << 30, 1.0), stream_settings(8, salt_prompts=True)
+    )  # inter-step: samples tracked
     try:
         greedy = _greedy(length, logprobs=0)
         running = engine.generate_responses.remote(LONG_PROMPT, str(length), greedy, 256, tokenizer, 1)
@@ -237,7 +239,7 @@ def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, g
         ray.get(engine.oppo_drop_staged.remote())
         ray.get(engine.load_weights.remote(weights.paths["original"]))
         coordinator.resume(0)
-        coordinator.connect(None, stream_settings(8, salt_prompts=False))
+        coordinator.connect(scorer_settings(1 << 30, 1.0), stream_settings(8, salt_prompts=False))
 
 
 @pytest.mark.engine

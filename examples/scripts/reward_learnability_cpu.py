@@ -98,9 +98,10 @@ def main():
         summary[kind] = dict(first5=first, last5=last, first5_std=spread)
         print(f"{kind}: mean reward of the first 5 steps {first:.4f} (std {spread:.4f}), of the last 5 {last:.4f}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        os.makedirs(out_dir, exist_ok=True)
         with open(args.out, "w") as f:
-            folders = report.machine_folders(os.path.dirname(os.path.abspath(args.out)), None, args.workdir)
+            folders = report.machine_folders(out_dir, None, args.workdir)
             results = dict(args=vars(args), curves=curves, summary=summary)
             json.dump(report.without_machine_folders(results, folders), f, indent=1)
 

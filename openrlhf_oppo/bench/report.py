@@ -197,7 +197,7 @@ def first_step_notes(results: dict) -> list:
     weighs on its mean."""
     notes = []
     for name, result in results["systems"].items():
-        walls = [step["end"] - step["start"] for step in measured_steps(results, result)]
+        walls = [step["wall_s"] for step in measured_steps(results, result)]
         if len(walls) < 3 or not result.get("summary"):
             continue
         others = statistics.median(walls[1:])
@@ -231,9 +231,10 @@ def phase_busy_table(results: dict) -> list:
         samples, steps = result.get("gpu_samples"), measured_steps(results, result)
         if not samples or not result.get("summary"):
             continue
+        by_step = [phase_spans(step) for step in steps]
         cells = []
         for phase in ("before training", "training", "weight sync"):
-            spans = [phase_spans(step)[phase] for step in steps]
+            spans = [step_spans[phase] for step_spans in by_step]
             inside = [util for t, util, _ in samples if any(start <= t < end for start, end in spans)]
             cells.append(" / ".join(f"{sum(gpu) / len(inside):.0f}" for gpu in zip(*inside)) if inside else "-")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -24,6 +24,7 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
+from openrlhf_oppo.config import OPTIONS
 from openrlhf_oppo.coordinator import StreamCoordinator
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController
@@ -157,13 +158,21 @@ ACTOR_CLASSES = {
 
 def stream_settings(chunk_size: int, salt_prompts: bool) -> StreamSettings:
     """What the OPPO trainer sends the rollout actors when it connects, with the ``--oppo.*`` defaults."""
-    return StreamSettings(chunk_size, salt_prompts, calls_in_flight=2, flush_interval_s=0.005)
+    return StreamSettings(
+        chunk_size,
+        salt_prompts,
+        calls_in_flight=OPTIONS["prefill_calls_in_flight"][1],
+        flush_interval_s=OPTIONS["flush_interval_ms"][1] / 1000,
+    )
 
 
 def scorer_settings(cache_budget_bytes: int, temperature: float) -> ScorerSettings:
     """What the OPPO trainer sends the scoring actors when it connects, with the ``--oppo.*`` defaults."""
     return ScorerSettings(
-        cache_budget_bytes, temperature, max_tokens_per_forward=16384, max_cached_tokens_per_forward=65536
+        cache_budget_bytes,
+        temperature,
+        max_tokens_per_forward=OPTIONS["max_prefill_tokens"][1],
+        max_cached_tokens_per_forward=OPTIONS["max_prefill_cached_tokens"][1],
     )
 
 
