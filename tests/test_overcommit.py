@@ -45,6 +45,7 @@ def run_epochs(pipeline, path, epochs, batch, delta, max_defer_steps=2, state=No
                     samples=samples,
                     consumed=consumed,
                     carried=generator.metrics["oppo/carried_groups"],
+                    overdue_wait=generator.metrics["oppo/overdue_wait_s"],
                     in_flight_for_next_step=len(generator.groups),
                     loader_done=generator._iter_done or exhausted,  # the dataloader ran out this epoch
                     state=dict(dataloader=loader.state_dict(), sampler=generator.state_dict()),
@@ -142,6 +143,9 @@ def test_overdue_groups_are_waited_for(pipeline, workload):
     history = run_epochs(pipeline, workload(LONG_TAIL, seed=22), epochs=1, batch=4, delta=4, max_defer_steps=1)
     for step in history:
         assert all(s.info["deferred_steps"].item() <= 1 for s in step["samples"])
+    # The long responses outlast a step of short ones: some step waits for one past its B-th group, and logs it.
+    assert all(step["overdue_wait"] >= 0 for step in history)
+    assert any(step["overdue_wait"] > 0.05 for step in history), [step["overdue_wait"] for step in history]
 
 
 def test_checkpoint_with_groups_in_flight_resumes_exactly_once_in_a_new_process(

@@ -90,6 +90,8 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
             self._top_up(batch + delta, generate_kwargs)
         with self.tracer.span("wait", track="generation"):
             bth_done_at = self._wait(batch, generate_kwargs, started, stats)
+        # Past the B-th group a step waits only for overdue groups: the price of --oppo.max_defer_steps.
+        overdue_wait = time.time() - started - bth_done_at
         # The throughput rule moves Delta on this step's wait (the reward-slope rule on the reward, later).
         self.controller.record_generation(bth_done_at, done_at_start)
         taken = self._take(batch)
@@ -122,6 +124,7 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
             "oppo/deferred_groups_trained": float(sum(g.deferrals > 0 for g in taken)),
             "oppo/max_deferrals_trained": float(max((g.deferrals for g in taken), default=0)),
             "oppo/bth_group_done_s": bth_done_at,
+            "oppo/overdue_wait_s": overdue_wait,
             "oppo/generation_wall_s": time.time() - started,
         }
         filter_pass_rate = None
