@@ -316,6 +316,16 @@ OPTIONS = {
         ),
         None,
     ),
+    "profile_step": (
+        dict(
+            type=_bounded(int, "--oppo.profile_step", 0),
+            metavar="N",
+            help="Profile the policy's and the critic's training in the run's N-th step with torch.profiler (every "
+            "kernel and the gaps between them), one Chrome trace per rank in --oppo.trace_dir, on the rank's "
+            "host. 0: off.",
+        ),
+        0,
+    ),
 }
 
 # Options that keep their meaning with OPPO off.
@@ -527,6 +537,10 @@ def _check_oppo(args, given) -> None:
         )
     if oppo.trace_dir is not None and os.path.exists(oppo.trace_dir) and not os.path.isdir(oppo.trace_dir):
         raise OPPOConfigError(f"--oppo.trace_dir {oppo.trace_dir} is a file: give a folder for the traces.")
+    if oppo.profile_step and oppo.trace_dir is None:
+        raise OPPOConfigError(
+            f"--oppo.profile_step {oppo.profile_step} writes its profiles into --oppo.trace_dir: add --oppo.trace_dir."
+        )
     if oppo.overcommit_max is not None and oppo.overcommit_min > oppo.overcommit_max:
         raise OPPOConfigError(
             f"--oppo.overcommit_min ({oppo.overcommit_min}) is above --oppo.overcommit_max ({oppo.overcommit_max})."

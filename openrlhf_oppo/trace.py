@@ -48,3 +48,17 @@ def write_trace(path: str, events: list) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+@contextmanager
+def profiled(path: str):
+    """torch.profiler around the block (CPU ops, and CUDA kernels where there is a GPU), written to ``path`` as
+    a Chrome trace: where a training step leaves the GPU idle, and which host work sits in the gaps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as profiler:
+        yield
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    profiler.export_chrome_trace(path)

@@ -176,6 +176,7 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.max_defer_steps", "3"], "--oppo.overcommit 0 turns off"),
         (["--oppo.enable", "--oppo.overcommit", "4", "--oppo.overcommit_window", "3"], "drop it, or use auto"),
         (["--oppo.enable", "--oppo.trace_dir", __file__], "is a file"),
+        (["--oppo.enable", "--oppo.profile_step", "2"], "add --oppo.trace_dir"),
         (["--oppo.enable", "--oppo.chunk_size", "8", "--oppo.stream_interval", "16"], "of at most 8, or auto"),
         (["--oppo.enable", "--oppo.stream_interval", "32"], "of at most 16, or auto"),  # the smallest auto chunk
     ],
@@ -224,6 +225,7 @@ def test_colocated_engines_pause_carried_requests_in_training_unless_they_contin
         ("cache_budget_gb", "-1"),
         ("max_defer_steps", "-1"),
         ("overcommit_window", "1"),
+        ("profile_step", "-1"),
     ],
 )
 def test_bad_values_are_refused_by_the_parser(flag, value, capsys):

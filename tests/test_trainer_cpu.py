@@ -53,7 +53,7 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
     steps = run(
         checkpoints, engine, tmp_path, prompts,
         "--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8", "--oppo.top_up", top_up,
-        "--oppo.trace_dir", str(tmp_path / "trace"),
+        "--oppo.trace_dir", str(tmp_path / "trace"), "--oppo.profile_step", "2",
         "--train.num_episodes", "2",
     )  # fmt: skip
     # step_end: prompts of the next step were in flight through training and the weight update.
@@ -78,6 +78,12 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
     assert {"release", "top_up", "wait", "hold"} <= names  # the parts of generation
     # Chunks held through training reach the critic and the policy only when the next step starts.
     assert not any(prefills_while_training(trace, role) for trace in traces for role in ("critic", "policy"))
+    # --oppo.profile_step 2: each trained model's second fit, operator by operator, and no other step's.
+    profiles = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "trace" / "profile_*.json")))
+    assert profiles == ["profile_critic_rank0_step00002.json", "profile_policy_rank0_step00002.json"]
+    for profile in profiles:
+        ops = {event.get("name") for event in json.load(open(tmp_path / "trace" / profile))["traceEvents"]}
+        assert {"aten::pow", "aten::sum"} <= ops  # the CPU stand-in's training, as torch.profiler saw it
 
 
 def prefills_while_training(trace: str, role: str) -> list:

@@ -12,6 +12,7 @@ Finished scores wait in ``oppo_finished`` until the trainer collects them, or di
 will never ask for (``oppo_discard``).
 """
 
+import contextlib
 import os
 import time
 
@@ -24,7 +25,7 @@ from openrlhf.trainer.ray.ppo_critic import CriticModelActor
 from openrlhf_oppo.protocol import Chunk, ResourceReading, ScorerSettings, ScorerStats
 from openrlhf_oppo.streaming.scorer import ChunkScorer, unwrap_model
 from openrlhf_oppo.streaming.zero3 import InferenceCopy, is_partitioned
-from openrlhf_oppo.trace import Tracer
+from openrlhf_oppo.trace import Tracer, profiled
 from openrlhf_oppo.weight_sync import WeightSyncPolicyMixin
 
 
@@ -140,6 +141,7 @@ class StreamingScorerMixin:
 
 class _TrainableScorerMixin(StreamingScorerMixin):
     oppo_trained_role: str = None  # "critic" or "policy"
+    oppo_fits = 0  # training steps this actor has run
 
     def init_model_from_pretrained(self, strategy, *args, **kwargs):
         # --- OPPO change (patch 0011 makes it in upstream's _setup_distributed): Ray starts an actor whose CPU
@@ -151,7 +153,19 @@ class _TrainableScorerMixin(StreamingScorerMixin):
 
     def fit(self, *args, **kwargs):
         started = time.time()
-        return self._after_fit(super().fit(*args, **kwargs), started)
+        self.oppo_fits += 1
+        with self._oppo_profiler():
+            status = super().fit(*args, **kwargs)
+        return self._after_fit(status, started)
+
+    def _oppo_profiler(self):
+        """``--oppo.profile_step N``: torch.profiler around this rank's N-th fit."""
+        oppo = self.strategy.args.oppo
+        if oppo.profile_step != self.oppo_fits:
+            return contextlib.nullcontext()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        name = f"profile_{self.oppo_trained_role}_rank{rank}_step{self.oppo_fits:05d}.json"
+        return profiled(os.path.join(oppo.trace_dir, name))
 
     def _after_fit(self, status: dict, started: float) -> dict:
         """The scorer moves to the new weights. The step's timing/ppo_train spans both models training side

@@ -9,7 +9,6 @@ actor, samples generators and experience maker for OPPO. The demo and the tests 
 """
 
 import os
-import time
 from copy import deepcopy
 from datetime import timedelta
 
@@ -93,19 +92,35 @@ class CPUReferenceModelActor(_CPUModel, actors.StreamingReferenceModelActor):
         self.model = _causal_model(args, path).eval()
 
 
+class _CPUTrainer:
+    """Stand-in for the PPO trainer that upstream's ``fit`` calls (``self.trainer.ppo_train``): a forward and
+    backward through every weight (their squared sum), whose gradients are dropped, so the weights stay as
+    they were."""
+
+    def __init__(self, model):
+        self.model = model
+        self.replay_buffer = []  # upstream's fit clears it
+
+    def ppo_train(self, *args):
+        sum(p.float().pow(2).sum() for p in self.model.parameters()).backward()
+        self.model.zero_grad(set_to_none=True)
+        return {}
+
+
 class _CPUTraining:
     """Stand-in for DeepSpeed training on CPU: PPOTrainer's step loop runs, the weights do not change.
 
-    ``fit`` still runs OPPO's part of it (the scorer's weight version bumped, as a real update does, so that
-    OPPO's handling of results computed with old weights is exercised; the fit's time logged). Checkpoints
-    keep only the trainer's client states.
+    Upstream's ``fit`` and OPPO's part of it still run (the scorer's weight version bumped, as a real update
+    does, so that OPPO's handling of results computed with old weights is exercised; the fit's time logged;
+    ``--oppo.profile_step``), around ``_CPUTrainer``. Checkpoints keep only the trainer's client states.
     """
+
+    @property
+    def trainer(self):
+        return _CPUTrainer(self.oppo_model())
 
     def append(self, experience):
         pass
-
-    def fit(self, *args, **kwargs):
-        return self._after_fit({}, time.time())  # OPPO's part of fit, after a training that changed nothing
 
     def broadcast_to_vllm(self):
         pass
