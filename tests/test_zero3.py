@@ -14,6 +14,7 @@ from a ``--ds.zero_stage 3`` command line, and must hold their weights unsharded
 import os
 import socket
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 from test_scorer import TEMPERATURE, TOLERANCE, make_batch
@@ -57,7 +58,7 @@ def _rank(rank, port, checkpoints):
         assert actor.oppo_copy is None and not is_partitioned(actor.oppo_scorer.model), role
     models = _load_models(checkpoints)
     for role in ("policy", "critic"):
-        scorers[role] = _scoring_actor(role, models[role])
+        scorers[role] = _scoring_actor(role, models[role], checkpoints)
         assert scorers[role].oppo_copy is not None and not _has_zero3_hooks(scorers[role].oppo_copy.module), role
 
     sequences, input_ids, attention_mask, action_mask = make_batch(seed=rank, count=5)
@@ -168,11 +169,8 @@ class _Trainable:
 SCORER_SETTINGS = scorer_settings(1 << 30, TEMPERATURE)
 
 
-def _frozen_actor(role, checkpoints):
-    """OPPO's reward or reference actor (outside Ray), loaded by its own ``init_model_from_pretrained`` as the
-    placement loads it under ``--ds.zero_stage 3``, with the scorer set up."""
-    from openrlhf.utils import get_strategy
-
+def _run_args(checkpoints):
+    """The flags of a ``--ds.zero_stage 3`` run of these models with OPPO on."""
     from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
     argv = [
@@ -186,7 +184,15 @@ def _frozen_actor(role, checkpoints):
         "--vllm.num_engines", "1",
         "--oppo.enable",
     ]  # fmt: skip
-    args = parse_args(argv)
+    return parse_args(argv)
+
+
+def _frozen_actor(role, checkpoints):
+    """OPPO's reward or reference actor (outside Ray), loaded by its own ``init_model_from_pretrained`` as the
+    placement loads it under ``--ds.zero_stage 3``, with the scorer set up."""
+    from openrlhf.utils import get_strategy
+
+    args = _run_args(checkpoints)
     assert role in args.oppo.streamed_roles
     args.ds.param_dtype = "fp32"  # see _load_in_float32 (upstream's parser offers bf16 and fp16 only)
     strategy = get_strategy(args)
@@ -202,11 +208,12 @@ def _frozen_actor(role, checkpoints):
     return actor
 
 
-def _scoring_actor(role, model):
+def _scoring_actor(role, model, checkpoints):
     """The real ``oppo_*`` side of the policy's or the critic's scoring actor (``streaming/actors.py``) over
     ``model``, with ``_Trainable``'s fit."""
     base = (actors._TrainableScorerMixin, _Trainable)
     actor = type(f"{role}Scorer", base, {"oppo_model": lambda self: model})()
+    actor.strategy = SimpleNamespace(args=_run_args(checkpoints))  # the run's flags, which OPPO's fit reads
     actor.oppo_setup(role, SCORER_SETTINGS)
     return actor
 
