@@ -199,9 +199,8 @@ def test_weight_update_with_a_request_in_flight(pipeline, engine, checkpoints, c
     length = 200
     original, changed = _other_weights(checkpoints["actor"], tmp_path)
     coordinator = StreamCoordinator([engine], {})
-    coordinator.connect(
-        scorer_settings(1 << 30, 1.0), stream_settings(8, salt_prompts=True)
-    )  # inter-step: samples tracked
+    # Inter-step: the engine tracks its samples across weight updates.
+    coordinator.connect(scorer_settings(1 << 30, 1.0), stream_settings(8, salt_prompts=True))
     try:
         running = engine.generate_responses.remote(prompt, str(length), _greedy(length, 0), 256, tokenizer, 1)
         while not any(n >= 5 for n in ray.get(engine.oppo_in_flight.remote()).values()):

@@ -206,9 +206,8 @@ def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, g
     old = _completion(engine, prompt_ids, length)
     buckets = plan_buckets(params, 64 << 10)
     coordinator = StreamCoordinator([engine], {})
-    coordinator.connect(
-        scorer_settings(1 << 30, 1.0), stream_settings(8, salt_prompts=True)
-    )  # inter-step: samples tracked
+    # Inter-step: the engine tracks its samples across weight updates.
+    coordinator.connect(scorer_settings(1 << 30, 1.0), stream_settings(8, salt_prompts=True))
     try:
         greedy = _greedy(length, logprobs=0)
         running = engine.generate_responses.remote(LONG_PROMPT, str(length), greedy, 256, tokenizer, 1)

@@ -53,12 +53,13 @@ def _rank(rank, port, checkpoints):
     _load_in_float32()
     # The frozen actors load first: transformers keeps the last ZeRO-3 config loaded in this process as a global,
     # which the ZeRO-3 models below would leave behind (an actor's own process loads one model).
-    scorers = {role: _frozen_actor(role, checkpoints) for role in ("reward", "reference")}
+    args = _run_args(checkpoints)
+    scorers = {role: _frozen_actor(role, checkpoints, args) for role in ("reward", "reference")}
     for role, actor in scorers.items():
         assert actor.oppo_copy is None and not is_partitioned(actor.oppo_scorer.model), role
     models = _load_models(checkpoints)
     for role in ("policy", "critic"):
-        scorers[role] = _scoring_actor(role, models[role], checkpoints)
+        scorers[role] = _scoring_actor(role, models[role], args)
         assert scorers[role].oppo_copy is not None and not _has_zero3_hooks(scorers[role].oppo_copy.module), role
 
     sequences, input_ids, attention_mask, action_mask = make_batch(seed=rank, count=5)
@@ -170,7 +171,8 @@ SCORER_SETTINGS = scorer_settings(1 << 30, TEMPERATURE)
 
 
 def _run_args(checkpoints):
-    """The flags of a ``--ds.zero_stage 3`` run of these models with OPPO on."""
+    """The flags of a ``--ds.zero_stage 3`` run of these models with OPPO on, in float32 (see
+    ``_load_in_float32``; upstream's parser offers bf16 and fp16 only)."""
     from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
     argv = [
@@ -184,17 +186,17 @@ def _run_args(checkpoints):
         "--vllm.num_engines", "1",
         "--oppo.enable",
     ]  # fmt: skip
-    return parse_args(argv)
+    args = parse_args(argv)
+    args.ds.param_dtype = "fp32"
+    return args
 
 
-def _frozen_actor(role, checkpoints):
+def _frozen_actor(role, checkpoints, args):
     """OPPO's reward or reference actor (outside Ray), loaded by its own ``init_model_from_pretrained`` as the
-    placement loads it under ``--ds.zero_stage 3``, with the scorer set up."""
+    placement loads it under ``--ds.zero_stage 3`` (``args``), with the scorer set up."""
     from openrlhf.utils import get_strategy
 
-    args = _run_args(checkpoints)
     assert role in args.oppo.streamed_roles
-    args.ds.param_dtype = "fp32"  # see _load_in_float32 (upstream's parser offers bf16 and fp16 only)
     strategy = get_strategy(args)
     strategy.setup_distributed = lambda: None  # upstream's builds a CUDA device mesh; gloo is up already
     cls = actors.StreamingRewardModelActor if role == "reward" else actors.StreamingReferenceModelActor
@@ -208,12 +210,12 @@ def _frozen_actor(role, checkpoints):
     return actor
 
 
-def _scoring_actor(role, model, checkpoints):
+def _scoring_actor(role, model, args):
     """The real ``oppo_*`` side of the policy's or the critic's scoring actor (``streaming/actors.py``) over
     ``model``, with ``_Trainable``'s fit."""
     base = (actors._TrainableScorerMixin, _Trainable)
     actor = type(f"{role}Scorer", base, {"oppo_model": lambda self: model})()
-    actor.strategy = SimpleNamespace(args=_run_args(checkpoints))  # the run's flags, which OPPO's fit reads
+    actor.strategy = SimpleNamespace(args=args)  # the run's flags, which OPPO's fit reads
     actor.oppo_setup(role, SCORER_SETTINGS)
     return actor
 

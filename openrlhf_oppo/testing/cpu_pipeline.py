@@ -8,6 +8,7 @@ upstream's ``forward`` calls) answers the CPU. Everything above them is the real
 actor, samples generators and experience maker for OPPO. The demo and the tests build on this.
 """
 
+import functools
 import os
 from copy import deepcopy
 from datetime import timedelta
@@ -115,7 +116,7 @@ class _CPUTraining:
     ``--oppo.profile_step``), around ``_CPUTrainer``. Checkpoints keep only the trainer's client states.
     """
 
-    @property
+    @functools.cached_property
     def trainer(self):
         return _CPUTrainer(self.oppo_model())
 
