@@ -40,6 +40,28 @@ def test_a_dead_scorer_is_named(ray_session, checkpoints, ppo_args):
     assert time.time() - started < 10
 
 
+def test_reads_at_a_steps_end_do_not_wait_behind_prefill_calls(ray_session, checkpoints, ppo_args):
+    """The trainer reads every scorer's counters, memory and trace as each step ends. A scorer's own thread may
+    still be busy then (the critic catches up on its held chunks after its fit): the reads are answered on
+    a thread of their own, as soon as they arrive."""
+    from openrlhf.utils import get_strategy
+
+    scorer = ACTOR_CLASSES["reward"].remote(1, 0, None, None)
+    ray.get(scorer.init_model_from_pretrained.remote(get_strategy(ppo_args), checkpoints["reward"]))
+    coordinator = StreamCoordinator([], {"reward": _Group([scorer])}, timeout_s=30)
+    settings = ScorerSettings(1 << 20, 1.0, max_tokens_per_forward=64, max_cached_tokens_per_forward=64)
+    coordinator.connect(settings, stream_settings(8, salt_prompts=False))
+    busy = scorer.__ray_call__.remote(lambda self: time.sleep(20))  # work queued on the scorer's own thread
+    time.sleep(1.0)
+    started = time.time()
+    assert coordinator.stats()["reward"][0].waiting == 0
+    assert coordinator.resources()["reward"][0].host_bytes > 0
+    assert coordinator.drain_traces() == []
+    assert time.time() - started < 10
+    assert ray.wait([busy], timeout=0)[0] == []  # answered while the scorer's own thread was still busy
+    ray.kill(scorer)
+
+
 def _wait_until_dead(actor):
     """ray.kill returns at once; calls made before the actor is gone may still be served."""
     for _ in range(100):

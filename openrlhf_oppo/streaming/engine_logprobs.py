@@ -20,6 +20,7 @@ limit, gets no score here, and the experience maker scores it with the policy's 
 """
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
@@ -55,6 +56,7 @@ class EngineLogprobs:
     # the requests run side by side, so their own durations would add up to more than the engine's time.
     calls: List[Tuple[float, float, int]] = field(default_factory=list)
     busy_s: float = 0.0
+    _calls_lock: threading.Lock = field(default_factory=threading.Lock)
     scored_tokens: int = 0
     _running: int = 0
     _running_since: float = 0.0
@@ -115,7 +117,8 @@ class EngineLogprobs:
                 entry.task.cancel()
 
     def stats(self) -> ScorerStats:
-        calls, self.calls = self.calls, []
+        with self._calls_lock:  # read on the rollout actor's control thread, appended on its event loop
+            calls, self.calls = self.calls, []
         return ScorerStats(
             calls=calls,
             busy_s=self.busy_s,
@@ -180,7 +183,8 @@ class EngineLogprobs:
         end = time.time()
         if self._running == 0:
             start = self._running_since
-            self.calls.append((start, end - start, self._running_tokens))
+            with self._calls_lock:
+                self.calls.append((start, end - start, self._running_tokens))
             self.busy_s += end - start
             self.tracer.add("policy_logprobs", start, end, track="engine")
         return end

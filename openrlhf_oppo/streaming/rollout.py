@@ -11,9 +11,10 @@ sleep without aborting) and salts prompts with the weight version so that no pre
 computed with old weights serves a new request. With ``--oppo.policy_logprobs vllm`` it also scores the
 policy's log-probs of its finished samples itself (``engine_logprobs``).
 
-The trainer's calls on its critical path (``oppo_hold``, ``oppo_flush``) run in a concurrency group of their
-own, on a thread of their own: the actor's event loop also runs vLLM's output handler and every request's
-coroutine, and while a batch of new requests goes in it can be hundreds of milliseconds behind.
+The trainer's calls on its critical path (``oppo_hold``, ``oppo_flush``, and the reads at each step's end:
+``oppo_stats``, ``oppo_resources``, ``oppo_drain_trace``) run in a concurrency group of their own, on a thread
+of their own: the actor's event loop also runs vLLM's output handler and every request's coroutine, and while
+a batch of new requests goes in it can be hundreds of milliseconds behind.
 """
 
 import asyncio
@@ -328,6 +329,7 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
     def oppo_discard(self, uids) -> None:
         self.policy_logprobs.discard(uids)
 
+    @ray.method(concurrency_group=CONTROL)
     def oppo_stats(self) -> ScorerStats:
         return self.policy_logprobs.stats()
 
@@ -337,9 +339,11 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         with the scoring actor it went to (wait on them before collecting scores)."""
         return self.outbox.flush(set(uids) if uids is not None else None) if self.outbox is not None else []
 
+    @ray.method(concurrency_group=CONTROL)
     def oppo_drain_trace(self) -> list:
         return self.tracer.drain()
 
+    @ray.method(concurrency_group=CONTROL)
     def oppo_resources(self) -> ResourceReading:
         return ResourceReading.of_this_process()
 

@@ -14,6 +14,7 @@ The outputs are the ones upstream's full forward computes (``RewardModel.forward
 """
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
@@ -108,13 +109,15 @@ class ChunkScorer:
         self._admissions = itertools.count()
         self.stats = dict(streamed_tokens=0, final_tokens=0, forwards=0, evictions=0, busy_s=0.0)
         self.calls: List[tuple] = []
+        self._calls_lock = threading.Lock()
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def cached_bytes(self) -> int:
-        return sum(_nbytes(s.keys) + _nbytes(s.values) for s in self._sequences.values())
+        # A copy first: the trainer reads this on another thread while ``process`` adds and drops sequences.
+        return sum(_nbytes(s.keys) + _nbytes(s.values) for s in list(self._sequences.values()))
 
     def bump_version(self) -> None:
         """Call after the weights change: caches built before are re-prefilled on their next chunk."""
@@ -142,12 +145,14 @@ class ChunkScorer:
         results = {w.uid: self._finish(w) for w in work if w.final}
         seconds = time.perf_counter() - started
         self.stats["busy_s"] += seconds
-        self.calls.append((started_at, seconds, sum(len(w.tokens) for w in runnable)))
+        with self._calls_lock:
+            self.calls.append((started_at, seconds, sum(len(w.tokens) for w in runnable)))
         return results
 
     def drain_calls(self) -> List[tuple]:
         """(wall-clock start, seconds, new tokens) of each ``process`` call since the last drain."""
-        calls, self.calls = self.calls, []
+        with self._calls_lock:  # the trainer drains on another thread than the one ``process`` runs on
+            calls, self.calls = self.calls, []
         return calls
 
     # -- planning -------------------------------------------------------------------------------

@@ -165,10 +165,13 @@ class CPUPolicyModelActor(_CPUModel, _CPUTraining, actors.StreamingPolicyModelAc
 
 
 ACTOR_CLASSES = {
-    "policy": ray.remote(CPUPolicyModelActor),
-    "critic": ray.remote(CPUCriticModelActor),
-    "reward": ray.remote(CPURewardModelActor),
-    "reference": ray.remote(CPUReferenceModelActor),
+    role: ray.remote(concurrency_groups=actors.CONCURRENCY_GROUPS)(cls)
+    for role, cls in (
+        ("policy", CPUPolicyModelActor),
+        ("critic", CPUCriticModelActor),
+        ("reward", CPURewardModelActor),
+        ("reference", CPUReferenceModelActor),
+    )
 }
 
 
