@@ -16,7 +16,7 @@ class _UpstreamInit:
         self.threads_at_init = torch.get_num_threads()
 
 
-@ray.remote(num_gpus=0)
+@ray.remote(num_gpus=0, concurrency_groups=actors.CONCURRENCY_GROUPS)  # as the product's actors
 class TrainingRank(actors._TrainableScorerMixin, _UpstreamInit):
     def threads(self) -> dict:
         return dict(
