@@ -48,9 +48,24 @@ def busy_intervals(events: List[dict], window: Tuple[float, float]) -> List[List
     return merge((s, e) for s, e in clipped if e > s)
 
 
-def host_window(events: List[dict]) -> Tuple[float, float]:
-    host = [e for e in events if e.get("cat") in HOST]
-    return min(e["ts"] for e in host), max(e["ts"] + e["dur"] for e in host)
+def host_events(events: List[dict]) -> List[dict]:
+    """The host's ops, runtime calls and annotations, by start time."""
+    return sorted((e for e in events if e.get("cat") in HOST), key=lambda e: e["ts"])
+
+
+def host_window(host: List[dict]) -> Tuple[float, float]:
+    return host[0]["ts"], max(e["ts"] + e["dur"] for e in host)
+
+
+def overlapping(host: List[dict], starts: List[float], longest: float, start: float, end: float):
+    """The host events (``host`` by start time, ``starts`` their starts) that overlap ``start``-``end``, each with
+    the time it shares with it."""
+    for e in host[bisect.bisect_left(starts, start - longest) :]:
+        if e["ts"] > end:
+            break
+        shared = min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
+        if shared > 0:
+            yield e, shared
 
 
 def _size(gap_us: float) -> str:
@@ -62,7 +77,8 @@ def _size(gap_us: float) -> str:
 
 def summarize(path: str, top: int = 25) -> List[str]:
     events = load(path)
-    first, last = window = host_window(events)
+    host = host_events(events)
+    first, last = window = host_window(host)
     busy = busy_intervals(events, window)
     busy_us = sum(end - start for start, end in busy)
     edges = [first] + [t for interval in busy for t in interval] + [last]
@@ -77,20 +93,15 @@ def summarize(path: str, top: int = 25) -> List[str]:
         by_size[_size(gap)] += gap
     lines.append(f"idle by gap size (s): { {size: round(us / 1e6, 3) for size, us in by_size.items()} }")
 
-    host = sorted((e for e in events if e.get("cat") in HOST), key=lambda e: e["ts"])
     starts = [e["ts"] for e in host]
-    longest = max((e["dur"] for e in host), default=0)
+    longest = max(e["dur"] for e in host)
     big = [g for g in gaps if g[0] >= GAP_US]
     overlap, count = Counter(), Counter()
     for _, start, end in big:
-        for e in host[bisect.bisect_left(starts, start - longest) :]:
-            if e["ts"] > end:
-                break
-            shared = min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
-            if shared > 0:
-                key = (e["cat"], e["name"][:90])
-                overlap[key] += shared
-                count[key] += 1
+        for e, shared in overlapping(host, starts, longest, start, end):
+            key = (e["cat"], e["name"][:90])
+            overlap[key] += shared
+            count[key] += 1
     lines.append(
         f"gaps >= {GAP_US}us: {len(big)}, idle {sum(g for g, _, _ in big) / 1e6:.3f} s; "
         "host events overlapping them (overlap s, count):"
@@ -99,7 +110,7 @@ def summarize(path: str, top: int = 25) -> List[str]:
         lines.append(f"  {shared / 1e6:8.3f} {count[(cat, name)]:6d} {cat:16s} {name}")
     lines.append("biggest gaps:")
     for gap, start, end in sorted(big, reverse=True)[:12]:
-        inside = [e for e in host if e["ts"] < end and e["ts"] + e["dur"] > start and e["cat"] != "cuda_driver"]
+        inside = [e for e, _ in overlapping(host, starts, longest, start, end) if e["cat"] != "cuda_driver"]
         innermost = sorted(inside, key=lambda e: e["dur"])[:4]
         lines.append(
             f"  {gap / 1e3:8.2f} ms at {(start - first) / 1e6:.3f} s: " + "; ".join(e["name"][:60] for e in innermost)
@@ -110,7 +121,7 @@ def summarize(path: str, top: int = 25) -> List[str]:
 def together(paths: List[str]) -> str:
     """The GPU's busy share over the first trace's window, with the kernels of every trace."""
     traces = [load(path) for path in paths]
-    window = host_window(traces[0])
+    window = host_window(host_events(traces[0]))
     busy = busy_intervals([e for events in traces for e in events], window)
     busy_us = sum(end - start for start, end in busy)
     span = window[1] - window[0]

@@ -232,9 +232,8 @@ class StreamingPolicyModelActor(WeightSyncPolicyMixin, _TrainableScorerMixin, Po
 
 
 # Upstream declares these with @ray.remote(num_gpus=1); RayActorGroup overrides the GPUs per placement.
-StreamingRewardModelRayActor = ray.remote(num_gpus=1, concurrency_groups=CONCURRENCY_GROUPS)(StreamingRewardModelActor)
-StreamingReferenceModelRayActor = ray.remote(num_gpus=1, concurrency_groups=CONCURRENCY_GROUPS)(
-    StreamingReferenceModelActor
-)
-StreamingCriticModelRayActor = ray.remote(num_gpus=1, concurrency_groups=CONCURRENCY_GROUPS)(StreamingCriticModelActor)
-StreamingPolicyModelRayActor = ray.remote(num_gpus=1, concurrency_groups=CONCURRENCY_GROUPS)(StreamingPolicyModelActor)
+_remote = ray.remote(num_gpus=1, concurrency_groups=CONCURRENCY_GROUPS)
+StreamingRewardModelRayActor = _remote(StreamingRewardModelActor)
+StreamingReferenceModelRayActor = _remote(StreamingReferenceModelActor)
+StreamingCriticModelRayActor = _remote(StreamingCriticModelActor)
+StreamingPolicyModelRayActor = _remote(StreamingPolicyModelActor)
