@@ -2,7 +2,8 @@
 own train_ppo_ray loads OPPO as an extension, OPPO's wrapper keeps working, and the fixes do what they
 say (prompt order seeded, tokenizer sent once, advantages equal bit for bit, a checkpoint of an episode's
 last step resumes in the next episode, the critic's training awaited first with a hook after it, the
-sleep-mode branch a method, CPU Adam on the host's cores, awake colocated engines up before the models load;
+sleep-mode branch a method, CPU Adam on the host's cores, awake colocated engines up before the models load,
+ppo_train's metrics read to the host once per fit;
 the bucketed weight sync of 0007 runs against a real engine in test_weight_sync.py)."""
 
 import json
@@ -53,6 +54,7 @@ def test_there_are_patches():
         "0011",
         "0012",
         "0013",
+        "0014",
     ]
 
 
@@ -461,3 +463,28 @@ def test_patched_create_vllm_engines_waits_for_awake_engines_on_the_models_gpus(
         """,
     )
     assert out.split()[-2:] == ["True", "False"]
+
+
+def test_patched_ppo_train_reads_its_metrics_once_per_fit(patched, checkpoints):
+    """Patch 0014: the actor's and the critic's ppo_train (real training_step, tiny models, CPU) return the same
+    status and train the same weights as upstream's, and OpenRLHF's own reads of tensors to the host during a fit
+    no longer grow with the micro-batches (on a GPU each read waits for the GPU to finish the micro-batch)."""
+    helper = [sys.executable, str(Path(__file__).parent / "ppo_train_reads_helper.py")]
+    helper += [checkpoints["actor"], checkpoints["reward"]]
+    fits = {}
+    for name, path in (("upstream", ""), ("patched", str(patched))):
+        result = subprocess.run(
+            helper, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": path}
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        fits[name] = json.loads(result.stdout.splitlines()[-1])
+    for count in ("4", "8"):
+        upstream, patched_fit = fits["upstream"][count], fits["patched"][count]
+        assert patched_fit["weights"] == upstream["weights"]
+        for model in ("actor", "critic"):
+            assert patched_fit[model].keys() == upstream[model].keys()
+            for key, value in upstream[model].items():
+                assert patched_fit[model][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (model, key)
+    reads = {name: [(fit["actor_reads"], fit["critic_reads"]) for fit in runs.values()] for name, runs in fits.items()}
+    assert reads["upstream"][1][0] > reads["upstream"][0][0] and reads["upstream"][1][1] > reads["upstream"][0][1]
+    assert reads["patched"] == [(2, 1), (2, 1)]  # the actor's sums and gradient norm; the critic's means
