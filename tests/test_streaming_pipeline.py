@@ -117,7 +117,7 @@ def test_streamed_requests_leave_the_text_to_those_that_read_it(grading_engine, 
     connected(5)
     plain = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     stop = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, stop=["never said"])
-    ray.get(grading_engine.record_detokenize.remote())
+    ray.get(grading_engine.record_requests.remote())
     try:
         ray.get(grading_engine.generate_responses.remote("the a of", "7", plain, 256, pipeline.tokenizer, 1))
         ray.get(
@@ -126,8 +126,8 @@ def test_streamed_requests_leave_the_text_to_those_that_read_it(grading_engine, 
         for params in (plain, stop):
             ray.get(grading_engine.generate_responses.remote("the a of", "7", params, 256, pipeline.tokenizer, 1))
     finally:
-        flags = ray.get(grading_engine.record_detokenize.remote(False))
-    assert flags == [True, False, True]
+        requests = ray.get(grading_engine.record_requests.remote(False))
+    assert [detokenize for _, _, detokenize in requests] == [True, False, True]
 
 
 def test_the_trainers_hold_and_flush_are_answered_while_the_event_loop_is_busy(engine, connected):
@@ -285,6 +285,36 @@ def test_policy_logprobs_from_the_engine(pipeline, workload, engine_scores_the_p
     assert metrics["oppo/fallback_micro_batches"] == 0
     after = scorer_stats(pipeline)
     assert (after["policy"].final_tokens, after["policy"].waiting) == (2 * tokens, 0)
+
+
+def test_after_a_sync_the_engine_scores_the_oldest_samples_first(pipeline, engine_scores_the_policy):
+    """After a weight sync the engine scores every finished sequence again, and the next step waits for those
+    it trains, the groups carried longest first. Their requests reach vLLM first, whatever order they finished
+    in: here a sample started before a sync finishes after one started after it."""
+    coordinator, engine = engine_scores_the_policy, pipeline.engines[0]
+    coordinator.hold()  # training: nothing is scored
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    old = engine.generate_responses.remote("the a of", "200", params, 256, pipeline.tokenizer, 1)
+    deadline = time.time() + 60
+    while not any(ray.get(engine.oppo_in_flight.remote()).values()) and time.time() < deadline:
+        time.sleep(0.05)
+    version = ray.get(engine.__ray_call__.remote(lambda actor: actor.weight_version))
+    ray.get(engine.oppo_resume.remote(weight_version=version + 1, resume=False))  # a sync while it decodes
+    new = ray.get(engine.generate_responses.remote("the a of", "4", params, 256, pipeline.tokenizer, 1))[0]
+    assert not ray.wait([old], timeout=0)[0]  # the new sample finished first
+    old = ray.get(old)[0]
+    old_length, new_length = (len(r["observation_tokens"]) for r in (old, new))
+
+    ray.get(engine.record_requests.remote())
+    try:
+        coordinator.release()
+        deadline = time.time() + 60
+        while scorer_stats(pipeline)["policy"].final_tokens < old_length + new_length and time.time() < deadline:
+            time.sleep(0.1)
+    finally:
+        requests = ray.get(engine.record_requests.remote(False))
+    scored = [length for request_id, length, _ in requests if request_id.startswith("oppo-logprobs-")]
+    assert scored == [old_length, new_length]
 
 
 def test_a_sequence_at_the_length_limit_is_scored_by_the_policys_forward(pipeline, workload, engine_scores_the_policy):

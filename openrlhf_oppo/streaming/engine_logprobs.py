@@ -38,6 +38,7 @@ from openrlhf_oppo.trace import Tracer
 class _Finished:
     tokens: List[int]
     prompt_len: int
+    first_version: int  # the weight version its sample started with
     task: Optional[asyncio.Task] = None
     version: int = -1  # the weight version ``task`` scores with
 
@@ -66,9 +67,9 @@ class EngineLogprobs:
     def __post_init__(self):
         self.max_model_len = self.llm.model_config.max_model_len
 
-    def add(self, uid: str, tokens: List[int], prompt_len: int) -> None:
+    def add(self, uid: str, tokens: List[int], prompt_len: int, first_version: int) -> None:
         """A sample finished: score ``tokens`` (what training sees) now, unless held."""
-        self.finished[uid] = _Finished(list(tokens), prompt_len)
+        self.finished[uid] = _Finished(list(tokens), prompt_len, first_version)
         if not self.held:
             self._start(uid)
 
@@ -79,8 +80,11 @@ class EngineLogprobs:
             self.refresh()
 
     def refresh(self) -> None:
-        """Score again, with the engine's current weights, every sequence scored with older ones."""
-        for uid in self.finished:
+        """Score again, with the engine's current weights, every sequence scored with older ones: those of the
+        oldest samples first, then in the order they finished. The next step trains the groups carried longest
+        first, then the first done (``OvercommitSamplesGenerator._take``), and vLLM schedules the requests as
+        they arrive: its answer need not wait behind the groups a later step trains."""
+        for uid in sorted(self.finished, key=lambda uid: self.finished[uid].first_version):  # stable: finish order
             self._start(uid)
 
     async def collect(self, uids) -> Dict[str, Optional[ScoredSequence]]:

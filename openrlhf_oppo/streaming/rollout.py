@@ -411,7 +411,7 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
             # The samples generator truncates to max_length; score exactly what training sees.
             stream.finish(response["observation_tokens"][:max_length])
         if stream.engine_ranks and self.policy_logprobs is not None:
-            self.policy_logprobs.add(stream.uid, stream.sent, stream.prompt_len)
+            self.policy_logprobs.add(stream.uid, stream.sent, stream.prompt_len, stream.first_version)
         response["stream_info"] = stream.info()
         return response
 

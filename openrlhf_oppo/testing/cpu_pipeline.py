@@ -257,20 +257,21 @@ class CPURolloutActor(OPPORolloutActor):
         """Run ``method`` (a worker method's name, or a function of the worker) on the engine's workers."""
         return await self.llm.collective_rpc(method, args=args)
 
-    def record_detokenize(self, on: bool = True) -> list:
-        """Keep the ``detokenize`` flag of every request handed to vLLM from now on (``on``), or stop; returns the
-        flags kept so far."""
-        flags = self.__dict__.get("detokenize_flags", [])
+    def record_requests(self, on: bool = True) -> list:
+        """Keep ``(request id, prompt length, detokenize flag)`` of every request handed to vLLM from now on
+        (``on``), or stop; returns those kept so far, in the order they reached vLLM."""
+        kept = self.__dict__.get("requests_kept", [])
         self.llm.__dict__.pop("generate", None)  # the engine's own method again
         if on:
-            generate, self.detokenize_flags = self.llm.generate, []
+            generate, self.requests_kept = self.llm.generate, []
 
             def recording(prompt, params, *args, **kwargs):
-                self.detokenize_flags.append(params.detokenize)
+                request_id = kwargs.get("request_id", args[0] if args else None)
+                self.requests_kept.append((request_id, len(prompt["prompt_token_ids"]), params.detokenize))
                 return generate(prompt, params, *args, **kwargs)
 
             self.llm.generate = recording
-        return flags
+        return kept
 
     async def delta_runs(self, prompt_token_ids, sampling_params) -> list:
         """The token ids of each output of one DELTA request, as the engine hands them over."""
