@@ -199,14 +199,18 @@ OPTIONS = {
     ),
     "critic_catch_up": (
         dict(
-            choices=["auto", "next_step", "after_fit"],
+            choices=["auto", "next_step", "after_fit", "next_batch"],
             help="When the critic scores the chunks held through training (inter-step overlap with the critic "
             "streaming). 'next_step': when the next step starts, after the weight sync, as the policy does. "
             "'after_fit': as soon as the critic's own training ends, while the policy may still train (its weights "
             "are final by then); the critic's catch-up then overlaps the policy's training and the weight sync "
             "(under --train.colocate_all on the same GPU). Under --ds.enable_sleep it needs --oppo.state_moves "
             "overlap, whose training sends them between the two fits. Compare "
-            "oppo/critic_fit_s with oppo/policy_fit_s for the time it can gain. 'auto': after_fit where the policy's "
+            "oppo/critic_fit_s with oppo/policy_fit_s for the time it can gain. 'next_batch': as after_fit, but once "
+            "the next step's groups are all done (Delta of about the batch or more), only their chunks: the critic "
+            "prefills a sequence again after each update of its weights, so the chunks of the groups a later step "
+            "trains wait for that (oppo/critic_catch_up_batch_only says which it did). 'auto': after_fit where the "
+            "policy's "
             "log-probs come from vLLM (--oppo.policy_logprobs vllm), which leaves the critic's catch-up the only "
             "prefill after the sync; next_step otherwise, where the policy's catch-up follows the sync anyway and "
             "the critic's early start slows the policy's training by about as much as it saves.",
@@ -506,9 +510,10 @@ def _check_oppo(args, given) -> None:
             "or under --train.colocate_all awake (no --vllm.enable_sleep) with --oppo.colocated_decode continue or "
             "during_training (otherwise they wait or sleep through training). Use --oppo.top_up step_start there."
         )
-    if oppo.critic_catch_up == "after_fit" and args.ds.enable_sleep and oppo.state_moves != "overlap":
+    if oppo.critic_catch_up in ("after_fit", "next_batch") and args.ds.enable_sleep and oppo.state_moves != "overlap":
         raise OPPOConfigError(
-            "--oppo.critic_catch_up after_fit sends the critic its held chunks as soon as its fit ends, but under "
+            f"--oppo.critic_catch_up {oppo.critic_catch_up} sends the critic its held chunks as soon as its fit "
+            "ends, but under "
             "--ds.enable_sleep upstream's training moves the models' states and trains them one after the other, "
             "with nothing between the two fits: add --oppo.state_moves overlap, whose training sends them there, "
             "or use --oppo.critic_catch_up next_step."
@@ -799,6 +804,11 @@ def describe(args) -> str:
             f"overcommit {oppo.overcommit} (start {oppo.overcommit_initial}), carry_kv {oppo.carry_kv}, "
             f"top-up at {oppo.top_up.replace('_', ' ')}"
             + (", the critic's catch-up after its fit" if oppo.critic_catch_up == "after_fit" else "")
+            + (
+                ", the critic's catch-up of the next batch after its fit"
+                if oppo.critic_catch_up == "next_batch"
+                else ""
+            )
             + (", decoding beside training" if oppo.colocated_decode != "pause" else "")
             + (" (not beside making experiences)" if oppo.colocated_decode == "during_training" else "")
         )

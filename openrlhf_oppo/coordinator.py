@@ -12,7 +12,9 @@ One step, in call order (``docs/design.md`` draws it):
    rollout actors stand where its ranks would (rank i is engine i) and answer ``collect``, ``discard`` and
    ``stats``.
 2. ``release``: chunks held through the last training go out (inter-step overlap only); the critic's may have
-   gone out when its own training ended (``--oppo.critic_catch_up after_fit``).
+   gone out when its own training ended (``--oppo.critic_catch_up after_fit``), or only those of the next
+   batch, its other chunks kept held until its next update (``catch_up``, ``--oppo.critic_catch_up
+   next_batch``).
 3. Generation: the rollout actors stream chunks straight to the scorers (``oppo_prefill``), no trainer call.
 4. ``hold``: from the step's end until the next ``release`` the chunks of the roles whose GPUs train only
    queue (inter-step overlap only).
@@ -98,6 +100,7 @@ class StreamCoordinator:
         self.timeout_s = timeout_s
         self.beside_vllm = tuple(beside_vllm)
         self.held: List[str] = []  # the roles whose chunks queue (``hold``)
+        self.kept_held: List[str] = []  # held roles that a ``release`` of all roles leaves held (``catch_up``)
         self.paused_at = time.time()
         self.tokenizer_sent = False
 
@@ -160,12 +163,24 @@ class StreamCoordinator:
         """Queue chunks instead of sending them, until ``release``, for the roles whose GPUs are about to train
         (the frozen models beside vLLM keep scoring)."""
         self.held = [role for role in self.roles if role not in self.beside_vllm]
+        self.kept_held = []
         self._each_engine("oppo_hold", "holding the chunks", self.held)
 
     def release(self, roles: Optional[Sequence[str]] = None) -> None:
-        """Send the held chunks of ``roles`` (all if None), whose models have their new weights."""
-        self.held = [role for role in self.held if roles is not None and role not in roles]
+        """Send the held chunks of ``roles`` (all but those ``catch_up`` kept held if None), whose models have
+        their new weights."""
+        released = [role for role in self.held if role not in self.kept_held] if roles is None else roles
+        self.held = [role for role in self.held if role not in released]
         self._each_engine("oppo_hold", "releasing the held chunks", self.held)
+
+    def catch_up(self, role: str, infos: Iterable[StreamInfo]) -> None:
+        """Send ``role``'s held chunks of these sequences (the next batch's) and keep its other chunks held, through
+        the next ``release`` too, until a ``flush`` or a later ``catch_up`` sends them with their batch: a
+        trainable model prefills a sequence again after each update of its weights, so the chunks of sequences
+        that a later step trains would be prefilled for nothing now."""
+        uids = [info.uid for info in infos if info.ranks]
+        self._each_engine("oppo_flush", "sending the next batch's held chunks", uids, roles=[role])
+        self.kept_held = sorted(set(self.kept_held) | {role})
 
     def release_engine_scoring(self) -> None:
         """Release the held roles that the engines score (the policy's log-probs), whose weights are the engines'

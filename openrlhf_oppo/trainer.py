@@ -243,7 +243,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         with self.tracer.span("ppo_train", track="trainer"), phase("training"):
             if self.args.oppo.state_moves == "overlap" and self.critic_model_group is not None:
                 status = self._train_overlapping_state_moves(global_steps)  # --oppo.critic_catch_up too
-            elif self.args.oppo.critic_catch_up == "after_fit" and self.critic_model_group is not None:
+            elif self.args.oppo.critic_catch_up in ("after_fit", "next_batch") and self.critic_model_group is not None:
                 status = self._train_releasing_the_critic(global_steps)
             else:
                 status = super().ppo_train(global_steps)
@@ -252,9 +252,10 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         return status
 
     def _train_releasing_the_critic(self, global_steps) -> dict:
-        """``--oppo.critic_catch_up after_fit``: upstream's ``ppo_train`` (0.11.2, its branch without sleep mode;
-        config.validate refuses --ds.enable_sleep here), COPIED, with the critic's held chunks sent as soon as
-        the critic's own fit ends. ``patches/openrlhf/0009`` adds the hook that would retire this copy."""
+        """``--oppo.critic_catch_up after_fit`` or ``next_batch``: upstream's ``ppo_train`` (0.11.2, its branch
+        without sleep mode; config.validate refuses --ds.enable_sleep here), COPIED, with the critic's held chunks
+        sent as soon as the critic's own fit ends. ``patches/openrlhf/0009`` adds the hook that would retire this
+        copy."""
         status: dict = {}
         run_actor = global_steps > self.args.critic.freezing_steps and self.actor_model_group is not None
         critic_refs = self.critic_model_group.async_run_method(method_name="fit")
@@ -265,10 +266,24 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         # chunks go out while the policy may still train. ---
         for result in ray.get(critic_refs):
             status.update(result)
-        self.coordinator.release(["critic"])
+        status.update(self._critic_catch_up())
         for result in ray.get(actor_refs):
             status.update(result)
         return status
+
+    def _critic_catch_up(self) -> dict:
+        """The critic's weights are final: send it the chunks held through training. With ``--oppo.critic_catch_up
+        next_batch``, once the next step's groups are all done, only theirs: the critic prefills a sequence again
+        after each update of its weights, so the others' would be prefilled twice. They stay held until that
+        step's ``make_experience`` sends those of its batch (a group that overtook one of them included)."""
+        streams = None
+        if self.args.oppo.critic_catch_up == "next_batch":
+            streams = getattr(self.samples_generator, "next_batch_streams", lambda: None)()
+        if streams is None:
+            self.coordinator.release(["critic"])
+            return {"oppo/critic_catch_up_batch_only": 0.0}
+        self.coordinator.catch_up("critic", streams)
+        return {"oppo/critic_catch_up_batch_only": 1.0}
 
     def _train_overlapping_state_moves(self, global_steps) -> dict:
         """``--oppo.state_moves overlap``: upstream's ``ppo_train`` (0.11.2, its sleep-mode branch), COPIED, with
@@ -299,10 +314,10 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         status.update(ray.get(critic_fit)[0])
         # --- OPPO change: the critic's states go back during the policy's fit (upstream: before its reload). ---
         critic_offload = critic.async_run_method(method_name="offload_states")
-        if self.args.oppo.critic_catch_up == "after_fit":
+        if self.args.oppo.critic_catch_up in ("after_fit", "next_batch"):
             # Its weights are final: its held chunks are scored beside the policy's fit (the calls queue behind the
             # offload, which leaves the weights on the GPU).
-            self.coordinator.release(["critic"])
+            status.update(self._critic_catch_up())
         if run_actor:
             wait_for_move(actor_reload)
             status.update(ray.get(actor.async_run_method(method_name="fit", kl_ctl=self.kl_ctl.value))[0])

@@ -138,6 +138,7 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--train.colocate_all", "--oppo.weight_sync", "paused"], "place vLLM apart, awake"),
         (["--oppo.enable", "--vllm.enable_sleep", "--oppo.weight_sync", "staged"], "sleep through the sync"),
         (["--oppo.enable", "--ds.enable_sleep", "--oppo.critic_catch_up", "after_fit"], "add --oppo.state_moves"),
+        (["--oppo.enable", "--ds.enable_sleep", "--oppo.critic_catch_up", "next_batch"], "add --oppo.state_moves"),
         (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.critic_catch_up", "after_fit"], "overcommit 0 turns off"),
         (["--oppo.enable", "--oppo.intra_step", "off", "--oppo.critic_catch_up", "after_fit"], "no critic streams"),
         (["--oppo.enable", "--oppo.policy_logprobs", "vllm", "--rollout.temperature", "0.7"], "given 0.7"),

@@ -241,6 +241,46 @@ def test_training_holds_only_the_roles_on_the_training_gpus(pipeline, workload, 
         pipeline.disconnect()
 
 
+def test_the_critics_catch_up_of_the_next_batch_keeps_the_rest_held(pipeline, workload, monkeypatch):
+    """``--oppo.critic_catch_up next_batch``: after its fit the critic gets the held chunks of the next batch's
+    sequences only. A release of every role at the next step's start leaves the critic's other chunks held,
+    the batch's flush sends them, and each sequence is prefilled once; the experiences are upstream's."""
+    from openrlhf_oppo.coordinator import StreamCoordinator
+    from openrlhf_oppo.protocol import FROZEN_ROLES
+
+    def critic_tokens():
+        stats = scorer_stats(pipeline)["critic"]
+        return stats.streamed_tokens + stats.final_tokens
+
+    coordinator = StreamCoordinator(pipeline.engines, pipeline.groups, beside_vllm=FROZEN_ROLES)
+    monkeypatch.setattr(pipeline, "coordinator", coordinator)
+    pipeline.connect(4)
+    try:
+        before = critic_tokens()
+        coordinator.hold()
+        samples = generate(pipeline, workload([9, 30, 12, 17], seed=59))
+        next_batch = [s.stream for s in samples[:2]]
+        coordinator.catch_up("critic", next_batch)
+        expected = sum(info.length for info in next_batch)
+        deadline = time.time() + 60
+        while critic_tokens() - before < expected and time.time() < deadline:
+            time.sleep(0.1)
+        assert critic_tokens() - before == expected
+
+        coordinator.release()  # the next step starts: the policy's chunks go out, the critic's others stay
+        assert coordinator.held == ["critic"]
+        time.sleep(1.0)
+        assert critic_tokens() - before == expected
+        streamed, upstream, metrics = experiences_both_ways(pipeline, samples)
+        assert_same_experiences(streamed, upstream)
+        assert metrics["oppo/fallback_micro_batches"] == 0
+        assert critic_tokens() - before == sum(s.stream.length for s in samples)  # each sequence prefilled once
+    finally:
+        coordinator.hold()
+        coordinator.release()
+        pipeline.disconnect()
+
+
 @pytest.fixture
 def engine_scores_the_policy(pipeline, monkeypatch):
     """``--oppo.policy_logprobs vllm``: the engine scores the policy's log-probs, and the policy's forward runs at

@@ -113,6 +113,22 @@ def test_the_critic_catches_up_as_soon_as_its_training_ends(checkpoints, engine,
     assert not any(prefills_while_training(trace, "policy") for trace in traces)
 
 
+def test_the_critic_catches_up_on_the_next_batch_only(checkpoints, engine, tmp_path):
+    """``--oppo.critic_catch_up next_batch`` with Delta twice the batch: when the critic's fit ends and the
+    next step's groups are all done, the critic gets their held chunks only, the rest wait, and every prompt is
+    still trained once with streamed scores (test_streaming_pipeline.py checks what reaches the critic)."""
+    prompts = str(tmp_path / "prompts.jsonl")
+    tiny.write_prompts(prompts, LENGTHS, seed=3)
+    steps = run(
+        checkpoints, engine, tmp_path, prompts,
+        "--oppo.enable", "--oppo.overcommit", "8", "--oppo.chunk_size", "8", "--oppo.critic_catch_up", "next_batch",
+    )  # fmt: skip
+    assert sum(s["rollout/num_samples"] for s in steps) == len(LENGTHS) * 2
+    assert all(s["oppo/fallback_micro_batches"] == 0 for s in steps)  # the critic's scores were streamed
+    assert {s["oppo/critic_catch_up_batch_only"] for s in steps} <= {0.0, 1.0}
+    assert max(s["oppo/critic_catch_up_batch_only"] for s in steps) == 1.0
+
+
 class _Group:
     """A model group whose calls return at once; ``ray.get`` (patched below) logs when each is awaited."""
 

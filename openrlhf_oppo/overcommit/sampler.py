@@ -28,6 +28,7 @@ from openrlhf.utils.logging_utils import init_logger
 from tqdm import tqdm
 
 from openrlhf_oppo.overcommit.controller import OvercommitController
+from openrlhf_oppo.protocol import StreamInfo
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 
 logger = init_logger(__name__)
@@ -41,7 +42,6 @@ class PromptGroup:
     deferrals: int = 0  # steps this group has been carried over
     ref: Optional[ray.ObjectRef] = None
     experiences: Optional[list] = None  # set when all its samples are done
-    done_at: float = 0.0
 
 
 class OvercommitSamplesGenerator(OPPOSamplesGenerator):
@@ -186,13 +186,13 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
                 break
             ready, _ = ray.wait(list(running), num_returns=1, timeout=10.0)
             for ref in ready:
-                self._collect(running[ref], generate_kwargs, started, stats)
+                self._collect(running[ref], generate_kwargs, stats)
         pbar.close()
         return bth_done_at or time.time() - started
 
-    def _collect(self, group: PromptGroup, generate_kwargs, started: float, stats: dict) -> None:
+    def _collect(self, group: PromptGroup, generate_kwargs, stats: dict) -> None:
         experiences = [self._process_response_into_experience(r, **generate_kwargs) for r in ray.get(group.ref)]
-        group.ref, group.done_at = None, time.time() - started
+        group.ref = None
         stats["completed"] += 1
         if self.args.algo.dynamic_filtering_enable and not self._passes_filter(experiences):
             # As upstream: a filtered group is dropped and a new prompt takes its place.
@@ -211,15 +211,36 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         return low < sum(scores) / len(scores) < high
 
     def _take(self, batch: int) -> List[PromptGroup]:
-        """This step's groups: overdue ones first, then the longest carried, then by completion."""
-        done = [g for g in self.groups if g.experiences is not None]
-        done.sort(key=lambda g: (g.deferrals < self.max_defer_steps, -g.deferrals, g.done_at))
-        taken = done[:batch]
+        """This step's groups, in ``_in_take_order``."""
+        taken = self._in_take_order([g for g in self.groups if g.experiences is not None])[:batch]
         taken_ids = {id(g) for g in taken}
         self.groups = [g for g in self.groups if id(g) not in taken_ids]
         for group in self.groups:
             group.deferrals += 1
         return taken
+
+    def _in_take_order(self, groups: List[PromptGroup]) -> List[PromptGroup]:
+        """Overdue groups first, then the longest carried, then in dispatch order (``self.groups``'s, which
+        ``groups`` keeps): an order known before the groups are collected (``next_batch_streams``)."""
+        return sorted(groups, key=lambda g: (g.deferrals < self.max_defer_steps, -g.deferrals))  # stable
+
+    def next_batch_streams(self) -> Optional[List[StreamInfo]]:
+        """The streams of the groups the next step will train, if it started now; None while fewer than a batch
+        are done. A group still running that finishes first may yet take the place of one of them, when it is
+        overdue or carried longer."""
+        batch = self.args.rollout.batch_size
+        running = [g.ref for g in self.groups if g.experiences is None]
+        ready = set(ray.wait(running, num_returns=len(running), timeout=0)[0]) if running else set()
+        done = [g for g in self.groups if g.experiences is not None or g.ref in ready]
+        if len(done) < batch:
+            return None
+        streams = []
+        for group in self._in_take_order(done)[:batch]:
+            if group.experiences is not None:
+                streams += [e.stream for e in group.experiences if getattr(e, "stream", None)]
+            else:  # done, not collected yet: its responses are in Ray's object store
+                streams += [r["stream_info"] for r in ray.get(group.ref) if r.get("stream_info")]
+        return streams
 
     # -- checkpoints --------------------------------------------------------------------------------
 

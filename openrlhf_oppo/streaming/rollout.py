@@ -121,11 +121,13 @@ class ChunkOutbox:
             self.held = set(roles)
         self._loop.call_soon_threadsafe(self._wake.set)  # whatever waited goes now, if released
 
-    def flush(self, uids=None) -> List[Tuple[str, ray.ObjectRef]]:
-        """Send the queued chunks of ``uids`` (all if None) now, held or not; return every call not yet done,
-        with the scoring actor it went to (``"reward rank 1"``). Safe from any thread."""
+    def flush(self, uids=None, roles=None) -> List[Tuple[str, ray.ObjectRef]]:
+        """Send the queued chunks of ``uids`` (all if None) for ``roles`` (all if None) now, held or not; return
+        every call not yet done, with the scoring actor it went to (``"reward rank 1"``). Safe from any thread."""
         with self._lock:
             for key in list(self._queues):
+                if roles is not None and key[0] not in roles:
+                    continue
                 if uids is None:
                     self._send(key)
                     continue
@@ -334,10 +336,12 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         return self.policy_logprobs.stats()
 
     @ray.method(concurrency_group=CONTROL)
-    def oppo_flush(self, uids=None) -> List[Tuple[str, ray.ObjectRef]]:
-        """Send the queued chunks of ``uids`` (all if None) now; return the prefill calls still running, each
-        with the scoring actor it went to (wait on them before collecting scores)."""
-        return self.outbox.flush(set(uids) if uids is not None else None) if self.outbox is not None else []
+    def oppo_flush(self, uids=None, roles=None) -> List[Tuple[str, ray.ObjectRef]]:
+        """Send the queued chunks of ``uids`` (all if None) for ``roles`` (all if None) now; return the prefill
+        calls still running, each with the scoring actor it went to (wait on them before collecting scores)."""
+        if self.outbox is None:
+            return []
+        return self.outbox.flush(set(uids) if uids is not None else None, set(roles) if roles is not None else None)
 
     @ray.method(concurrency_group=CONTROL)
     def oppo_drain_trace(self) -> list:
