@@ -210,10 +210,9 @@ OPTIONS = {
             "the next step's groups are all done (Delta of about the batch or more), only their chunks: the critic "
             "prefills a sequence again after each update of its weights, so the chunks of the groups a later step "
             "trains wait for that (oppo/critic_catch_up_batch_only says which it did). 'auto': after_fit where the "
-            "policy's "
-            "log-probs come from vLLM (--oppo.policy_logprobs vllm), which leaves the critic's catch-up the only "
-            "prefill after the sync; next_step otherwise, where the policy's catch-up follows the sync anyway and "
-            "the critic's early start slows the policy's training by about as much as it saves.",
+            "policy's log-probs come from vLLM (--oppo.policy_logprobs vllm), which leaves the critic's catch-up the "
+            "only prefill after the sync; next_step otherwise, where the policy's catch-up follows the sync anyway "
+            "and the critic's early start slows the policy's training by about as much as it saves.",
         ),
         "auto",
     ),
@@ -513,10 +512,9 @@ def _check_oppo(args, given) -> None:
     if oppo.critic_catch_up in ("after_fit", "next_batch") and args.ds.enable_sleep and oppo.state_moves != "overlap":
         raise OPPOConfigError(
             f"--oppo.critic_catch_up {oppo.critic_catch_up} sends the critic its held chunks as soon as its fit "
-            "ends, but under "
-            "--ds.enable_sleep upstream's training moves the models' states and trains them one after the other, "
-            "with nothing between the two fits: add --oppo.state_moves overlap, whose training sends them there, "
-            "or use --oppo.critic_catch_up next_step."
+            "ends, but under --ds.enable_sleep upstream's training moves the models' states and trains them one "
+            "after the other, with nothing between the two fits: add --oppo.state_moves overlap, whose training "
+            "sends them there, or use --oppo.critic_catch_up next_step."
         )
     if oppo.state_moves == "overlap" and not args.ds.enable_sleep:
         raise OPPOConfigError(
@@ -803,12 +801,10 @@ def describe(args) -> str:
         parts.append(
             f"overcommit {oppo.overcommit} (start {oppo.overcommit_initial}), carry_kv {oppo.carry_kv}, "
             f"top-up at {oppo.top_up.replace('_', ' ')}"
-            + (", the critic's catch-up after its fit" if oppo.critic_catch_up == "after_fit" else "")
-            + (
-                ", the critic's catch-up of the next batch after its fit"
-                if oppo.critic_catch_up == "next_batch"
-                else ""
-            )
+            + {
+                "after_fit": ", the critic's catch-up after its fit",
+                "next_batch": ", the critic's catch-up of the next batch after its fit",
+            }.get(oppo.critic_catch_up, "")
             + (", decoding beside training" if oppo.colocated_decode != "pause" else "")
             + (" (not beside making experiences)" if oppo.colocated_decode == "during_training" else "")
         )
