@@ -149,13 +149,17 @@ def _state_moves_trainer(monkeypatch, log, frozen_policy=False, vllm_asleep=True
         return [{f"{ref} loss": 1.0} for ref in refs]
 
     monkeypatch.setattr(trainer_module.ray, "get", get)
-    return SimpleNamespace(
+    trainer = SimpleNamespace(
         args=SimpleNamespace(
             critic=SimpleNamespace(freezing_steps=5 if frozen_policy else -1),
             vllm=SimpleNamespace(enable_sleep=vllm_asleep),
             oppo=SimpleNamespace(critic_catch_up=critic_catch_up),
         ),
-        coordinator=SimpleNamespace(release=lambda roles: log.append(f"release {' '.join(roles)}")),
+        coordinator=SimpleNamespace(
+            release=lambda roles: log.append(f"release {' '.join(roles)}"),
+            catch_up=lambda role, streams: log.append(f"catch_up {role} {' '.join(streams)}"),
+        ),
+        samples_generator=SimpleNamespace(next_batch_streams=lambda: ["next", "batch"]),  # all done
         critic_model_group=_Group("critic", log),
         actor_model_group=_Group("actor", log),
         kl_ctl=SimpleNamespace(value=0.0),
@@ -163,6 +167,8 @@ def _state_moves_trainer(monkeypatch, log, frozen_policy=False, vllm_asleep=True
         policy_offload=[],
         policy_offload_due=False,
     )
+    trainer._critic_catch_up = lambda: trainer_module.OPPOTrainer._critic_catch_up(trainer)
+    return trainer
 
 
 @pytest.mark.parametrize("frozen_policy", [False, True])
@@ -194,14 +200,20 @@ def test_state_moves_overlap_the_other_models_training(monkeypatch, frozen_polic
     assert status["oppo/state_moves_wait_s"] >= 0
 
 
-def test_the_critic_catches_up_between_the_fits_with_the_state_moves_overlapped(monkeypatch):
-    """``--oppo.critic_catch_up after_fit`` under ``--oppo.state_moves overlap``: the critic's held chunks go out
-    once its fit has returned, before the policy's fit starts."""
+@pytest.mark.parametrize(
+    "critic_catch_up, sent", [("after_fit", "release critic"), ("next_batch", "catch_up critic next batch")]
+)
+def test_the_critic_catches_up_between_the_fits_with_the_state_moves_overlapped(monkeypatch, critic_catch_up, sent):
+    """``--oppo.critic_catch_up after_fit`` or ``next_batch`` under ``--oppo.state_moves overlap``: the critic's
+    held chunks (with next_batch, those of the next batch, all done here) go out once its fit has returned, before
+    the policy's fit starts."""
     from openrlhf_oppo.trainer import OPPOTrainer
 
     log = []
-    OPPOTrainer._train_overlapping_state_moves(_state_moves_trainer(monkeypatch, log, critic_catch_up="after_fit"), 1)
-    assert log.index("critic fit awaited") < log.index("release critic") < log.index("actor fit")
+    trainer = _state_moves_trainer(monkeypatch, log, critic_catch_up=critic_catch_up)
+    status = OPPOTrainer._train_overlapping_state_moves(trainer, 1)
+    assert log.index("critic fit awaited") < log.index(sent) < log.index("actor fit")
+    assert status["oppo/critic_catch_up_batch_only"] == float(critic_catch_up == "next_batch")
 
 
 def test_state_moves_start_outside_training_where_they_can(monkeypatch):
