@@ -509,7 +509,7 @@ def _check_oppo(args, given) -> None:
             "or under --train.colocate_all awake (no --vllm.enable_sleep) with --oppo.colocated_decode continue or "
             "during_training (otherwise they wait or sleep through training). Use --oppo.top_up step_start there."
         )
-    if oppo.critic_catch_up in ("after_fit", "next_batch") and args.ds.enable_sleep and oppo.state_moves != "overlap":
+    if critic_catches_up_after_its_fit(args) and args.ds.enable_sleep and oppo.state_moves != "overlap":
         raise OPPOConfigError(
             f"--oppo.critic_catch_up {oppo.critic_catch_up} sends the critic its held chunks as soon as its fit "
             "ends, but under --ds.enable_sleep upstream's training moves the models' states and trains them one "
@@ -779,6 +779,12 @@ def pauses_carried_requests_after_generation(args) -> bool:
     models' GPUs awake (``--train.colocate_all``, no ``--vllm.enable_sleep``), unless ``--oppo.colocated_decode
     continue``. Asleep they decode nothing anyway; on GPUs of their own they always decode."""
     return args.train.colocate_all and not args.vllm.enable_sleep and args.oppo.colocated_decode != "continue"
+
+
+def critic_catches_up_after_its_fit(args) -> bool:
+    """Whether the critic's held chunks go out as soon as its fit returns (``--oppo.critic_catch_up after_fit``,
+    or ``next_batch``, which sends only the next batch's), rather than when the next step starts."""
+    return args.oppo.critic_catch_up in ("after_fit", "next_batch")
 
 
 def resumes_carried_requests_for_training(args) -> bool:

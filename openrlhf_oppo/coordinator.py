@@ -28,7 +28,7 @@ One step, in call order (``docs/design.md`` draws it):
 import re
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -100,7 +100,7 @@ class StreamCoordinator:
         self.timeout_s = timeout_s
         self.beside_vllm = tuple(beside_vllm)
         self.held: List[str] = []  # the roles whose chunks queue (``hold``)
-        self.kept_held: List[str] = []  # held roles that a ``release`` of all roles leaves held (``catch_up``)
+        self.kept_held: Set[str] = set()  # held roles that a ``release`` of all roles leaves held (``catch_up``)
         self.paused_at = time.time()
         self.tokenizer_sent = False
 
@@ -163,7 +163,7 @@ class StreamCoordinator:
         """Queue chunks instead of sending them, until ``release``, for the roles whose GPUs are about to train
         (the frozen models beside vLLM keep scoring)."""
         self.held = [role for role in self.roles if role not in self.beside_vllm]
-        self.kept_held = []
+        self.kept_held = set()
         self._each_engine("oppo_hold", "holding the chunks", self.held)
 
     def release(self, roles: Optional[Sequence[str]] = None) -> None:
@@ -180,7 +180,7 @@ class StreamCoordinator:
         that a later step trains would be prefilled for nothing now."""
         uids = [info.uid for info in infos if info.ranks]
         self._each_engine("oppo_flush", "sending the next batch's held chunks", uids, roles=[role])
-        self.kept_held = sorted(set(self.kept_held) | {role})
+        self.kept_held.add(role)
 
     def release_engine_scoring(self) -> None:
         """Release the held roles that the engines score (the policy's log-probs), whose weights are the engines'

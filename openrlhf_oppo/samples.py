@@ -14,7 +14,7 @@ the streams a rollout actor closed because training sees other tokens than it st
 
 import dataclasses
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
@@ -53,6 +53,11 @@ class OPPOSamplesGenerator(SamplesGenerator):
             return super().generate_eval_samples(**generate_kwargs)
         finally:
             self.coordinator.set_streaming(True)
+
+    def next_batch_streams(self) -> Optional[List[StreamInfo]]:
+        """The streams of the groups the next step will train, where they are known before it starts; without
+        inter-step overlap the next step's prompts are not even drawn yet."""
+        return None
 
     def take_dropped(self) -> List[StreamInfo]:
         """The streamed sequences dropped since the last call."""

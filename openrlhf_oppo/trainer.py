@@ -15,6 +15,7 @@ from openrlhf.trainer.ppo_trainer import PPOTrainer
 from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_oppo.config import (
+    critic_catches_up_after_its_fit,
     describe,
     pauses_carried_requests_after_generation,
     resumes_carried_requests_for_training,
@@ -243,7 +244,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         with self.tracer.span("ppo_train", track="trainer"), phase("training"):
             if self.args.oppo.state_moves == "overlap" and self.critic_model_group is not None:
                 status = self._train_overlapping_state_moves(global_steps)  # --oppo.critic_catch_up too
-            elif self.args.oppo.critic_catch_up in ("after_fit", "next_batch") and self.critic_model_group is not None:
+            elif critic_catches_up_after_its_fit(self.args) and self.critic_model_group is not None:
                 status = self._train_releasing_the_critic(global_steps)
             else:
                 status = super().ppo_train(global_steps)
@@ -278,7 +279,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         step's ``make_experience`` sends those of its batch (a group that overtook one of them included)."""
         streams = None
         if self.args.oppo.critic_catch_up == "next_batch":
-            streams = getattr(self.samples_generator, "next_batch_streams", lambda: None)()
+            streams = self.samples_generator.next_batch_streams()
         if streams is None:
             self.coordinator.release(["critic"])
             return {"oppo/critic_catch_up_batch_only": 0.0}
@@ -314,7 +315,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         status.update(ray.get(critic_fit)[0])
         # --- OPPO change: the critic's states go back during the policy's fit (upstream: before its reload). ---
         critic_offload = critic.async_run_method(method_name="offload_states")
-        if self.args.oppo.critic_catch_up in ("after_fit", "next_batch"):
+        if critic_catches_up_after_its_fit(self.args):
             # Its weights are final: its held chunks are scored beside the policy's fit (the calls queue behind the
             # offload, which leaves the weights on the GPU).
             status.update(self._critic_catch_up())

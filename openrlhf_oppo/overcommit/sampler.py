@@ -138,9 +138,13 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
 
     def _done_now(self) -> int:
         """Carried groups whose samples are all done (those that finished during training included)."""
+        return len(self._done_groups())
+
+    def _done_groups(self) -> List[PromptGroup]:
+        """The carried groups whose samples are all done, collected or not, in dispatch order."""
         running = [g.ref for g in self.groups if g.experiences is None]
-        ready, _ = ray.wait(running, num_returns=len(running), timeout=0) if running else ([], [])
-        return len(self.groups) - len(running) + len(ready)
+        ready = set(ray.wait(running, num_returns=len(running), timeout=0)[0]) if running else set()
+        return [g for g in self.groups if g.experiences is not None or g.ref in ready]
 
     def record_reward(self, mean_reward: float) -> None:
         """Feed the step's mean reward to the Delta controller."""
@@ -229,9 +233,7 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         are done. A group still running that finishes first may yet take the place of one of them, when it is
         overdue or carried longer."""
         batch = self.args.rollout.batch_size
-        running = [g.ref for g in self.groups if g.experiences is None]
-        ready = set(ray.wait(running, num_returns=len(running), timeout=0)[0]) if running else set()
-        done = [g for g in self.groups if g.experiences is not None or g.ref in ready]
+        done = self._done_groups()
         if len(done) < batch:
             return None
         streams = []

@@ -82,8 +82,8 @@ class EngineLogprobs:
     def refresh(self) -> None:
         """Score again, with the engine's current weights, every sequence scored with older ones: those of the
         oldest samples first, then in the order they finished. The next step trains the groups carried longest
-        first, then the first done (``OvercommitSamplesGenerator._take``), and vLLM schedules the requests as
-        they arrive: its answer need not wait behind the groups a later step trains."""
+        first (``OvercommitSamplesGenerator._in_take_order``), and vLLM schedules the requests as they arrive:
+        its answer need not wait behind the groups a later step trains."""
         for uid in sorted(self.finished, key=lambda uid: self.finished[uid].first_version):  # stable: finish order
             self._start(uid)
 
