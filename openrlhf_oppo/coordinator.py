@@ -182,12 +182,18 @@ class StreamCoordinator:
         self._each_engine("oppo_flush", "sending the next batch's held chunks", uids, roles=[role])
         self.kept_held.add(role)
 
-    def release_engine_scoring(self) -> None:
+    def release_engine_scoring(self, next_batch: Optional[Sequence[StreamInfo]] = None) -> None:
         """Release the held roles that the engines score (the policy's log-probs), whose weights are the engines'
-        own: they have them as soon as the weight sync ends."""
+        own: they have them as soon as the weight sync ends. Given the next batch, the engines score its
+        sequences only, and keep the rest held like ``catch_up``: each weight sync makes them score a finished
+        sequence again, so the others (those a later step trains) would be scored for nothing now."""
         held = [role for role in self.scored_by_engines if role in self.held]
-        if held:
-            self.release(held)
+        if next_batch is None:
+            if held:
+                self.release(held)
+            return
+        for role in held:
+            self.catch_up(role, next_batch)
 
     def pause(self, clear_cache: bool) -> None:
         """Freeze every request in every engine; ``clear_cache`` drops their KV (re-prefilled on resume)."""

@@ -14,8 +14,9 @@ second, and ``_dispatch_forward`` reads it.
 """
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 import ray
 import torch
@@ -36,6 +37,7 @@ class StreamedBatch:
     flushed_at: float = 0.0  # when make_experience started waiting for the last chunks
     collected_at: float = 0.0
     micro_batches: List[Experience] = field(default_factory=list)  # as upstream's make_experience gets them
+    forwarded: Set[str] = field(default_factory=set)  # roles whose model ran a forward for missing scores
     hidden_tokens: int = 0  # streamed tokens prefilled before ``flushed_at``
     streamed_tokens: int = 0
     fallback_batches: int = 0
@@ -93,6 +95,11 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
         finally:
             self._batch = None
 
+    def compute_advantages_and_returns(self, experiences: List[Experience]) -> List[Experience]:
+        # Its own span inside kl_advantages: upstream's loops over the tokens run on the host.
+        with self.tracer.span("advantages", track="make_experience"):
+            return super().compute_advantages_and_returns(experiences)
+
     def make_experience(self, samples_list: List[Experience]) -> List[Experience]:
         batch = self._batch
         if batch is not None:
@@ -101,7 +108,37 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
                 batch.collect(self.coordinator, self.tracer)
                 if self.on_scores_collected is not None:
                     self.on_scores_collected()
+            with self._reward_cache_emptied_only_after_a_forward(batch):
+                return super().make_experience(samples_list)
         return super().make_experience(samples_list)
+
+    @contextmanager
+    def _reward_cache_emptied_only_after_a_forward(self, batch: StreamedBatch):
+        """Upstream's make_experience has the reward model empty its CUDA cache after its forward, before the
+        critic's on the same GPU (``--train.colocate_critic_reward``, which ``--oppo.colocate_models`` sets). A
+        streamed reward ran no forward, and the call would wait behind every prefill call queued on the reward
+        scorer, which keeps scoring the carried sequences: it is not made then. The group's own method is back
+        once upstream's make_experience returns."""
+        group = self.reward_model_group
+        if group is None or "reward" not in batch.scores:
+            yield
+            return
+        own = vars(group).get("async_run_method")  # an override on the instance, if any
+        run = group.async_run_method
+
+        def async_run_method(method_name, *args, **kwargs):
+            if method_name == "empty_cache" and "reward" not in batch.forwarded:
+                return []
+            return run(method_name, *args, **kwargs)
+
+        group.async_run_method = async_run_method
+        try:
+            yield
+        finally:
+            if own is None:
+                del group.async_run_method
+            else:
+                group.async_run_method = own
 
     def _dispatch_forward(self, group, sync_condition, **kwargs):
         role = self._role(group)
@@ -114,6 +151,7 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
         if missing:
             # Score those micro-batches as upstream does, then slot them in.
             self._batch.fallback_batches += len(missing)
+            self._batch.forwarded.add(role)
             refs = self.coordinator.forward(
                 role, {key: [values[i] for i in missing] for key, values in kwargs.items()}
             )

@@ -349,7 +349,11 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         self._offload_policy_states()
         # The engines hold the new weights now: the policy's log-probs they score need not wait for the next
         # step's start, which comes after this step's metrics, and those can wait on the critic's catch-up.
-        self.coordinator.release_engine_scoring()
+        # Once the next step's groups are all done, only theirs: the step waits for those alone.
+        if self.coordinator.scored_by_engines:
+            next_batch = self.samples_generator.next_batch_streams()
+            self.coordinator.release_engine_scoring(next_batch)
+            self.weight_sync_metrics["oppo/engine_scoring_batch_only"] = float(next_batch is not None)
 
     def _prefetch_critic_states(self) -> None:
         """``--oppo.state_moves overlap``: the step's critic scores are in (the critic has nothing more to score

@@ -229,3 +229,27 @@ def test_weight_update_with_a_request_in_flight(pipeline, engine, checkpoints, c
         ray.get(engine.load_weights.remote(original))
         coordinator.resume(0)
         coordinator.connect(scorer_settings(1 << 30, 1.0), stream_settings(8, salt_prompts=False))
+
+
+def test_the_announced_next_batch_is_the_one_the_next_step_takes(pipeline, workload):
+    """Once ``next_batch_streams`` names the next step's groups (the critic and the engines score those after
+    their weights change), the next step takes them, though a group carried longer, which would come first,
+    finishes in between: here the long response, topped up before the groups it overtakes."""
+    loader = prompt_dataloader(workload([3] * 9 + [200], seed=61), pipeline.args, pipeline.tokenizer)
+    generator = pipeline.samples_generator(loader, "overcommit", delta=2, max_defer_steps=5, top_up_at_step_end=True)
+    pipeline.args.rollout.batch_size = 2
+    long_group = None
+    while long_group is None or long_group.deferrals == 0:
+        generator.generate_samples(**pipeline.generate_kwargs())
+        long_group = next((g for g in generator.groups if g.label == "200"), None)
+
+    deadline = time.time() + 60
+    while (announced := generator.next_batch_streams()) is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert ray.wait([long_group.ref], timeout=0)[1]  # still decoding when the next batch was named
+    named = [g for g in generator.groups if g.announced]
+    assert min(g.deferrals for g in named) < long_group.deferrals  # the long group would come before one
+    ray.wait([long_group.ref], timeout=120)  # and it is done before the next step starts
+    samples, *_ = generator.generate_samples(**pipeline.generate_kwargs())
+    assert {s.stream.uid for s in samples} == {info.uid for info in announced}
+    assert long_group in generator.groups

@@ -67,6 +67,38 @@ def test_streamed_experiences_equal_upstreams(pipeline, connected, workload, chu
         assert metrics["oppo/prefill_hidden_fraction"] > 0.3
 
 
+@pytest.mark.parametrize("reward_streamed", [True, False])
+def test_the_reward_empties_its_cache_only_after_a_forward(
+    pipeline, connected, workload, monkeypatch, reward_streamed
+):
+    """Under ``--train.colocate_critic_reward`` (which ``--oppo.colocate_models`` sets) upstream's make_experience
+    has the reward model empty its CUDA cache after its forward, before the critic's on the same GPU. A streamed
+    reward ran no forward, and the call would wait behind the reward scorer's queued prefill calls: it is not
+    made. A reward whose score went missing is scored by its forward, and asked to empty its cache after it."""
+    connected(8)
+    monkeypatch.setattr(pipeline.args.train, "colocate_critic_reward", True)
+    samples = generate(pipeline, workload(LENGTHS[:4], seed=71))
+    if not reward_streamed:
+        ray.get(
+            [actor.oppo_discard.remote([samples[0].stream.uid]) for actor in pipeline.coordinator.models["reward"]]
+        )
+    group, calls = pipeline.groups["reward"], []
+    run = group.async_run_method
+
+    def recorder(method_name, **kwargs):
+        calls.append(method_name)
+        return run(method_name, **kwargs)
+
+    monkeypatch.setattr(group, "async_run_method", recorder)
+    twins = copy.deepcopy(samples)
+    maker = pipeline.experience_maker(True)
+    streamed = maker.make_experience_batch(samples)
+    assert ("empty_cache" in calls) == (not reward_streamed)
+    assert (maker.metrics["oppo/fallback_micro_batches"] > 0) == (not reward_streamed)
+    assert group.async_run_method is recorder  # the group's own method again
+    assert_same_experiences(streamed, pipeline.experience_maker(False).make_experience_batch(twins))
+
+
 def test_cache_eviction_keeps_experiences_equal(pipeline, connected, workload):
     connected(4, budget=16_000)  # room for a few dozen tokens of KV per model
     samples = generate(pipeline, workload(LENGTHS[4:], seed=11))
@@ -355,6 +387,34 @@ def test_after_a_sync_the_engine_scores_the_oldest_samples_first(pipeline, engin
         requests = ray.get(engine.record_requests.remote(False))
     scored = [length for request_id, length, _ in requests if request_id.startswith("oppo-logprobs-")]
     assert scored == [old_length, new_length]
+
+
+def test_after_a_sync_the_engine_scores_the_next_batch_only(pipeline, workload, engine_scores_the_policy):
+    """Given the next batch after a weight sync, the engine scores its sequences only and keeps the rest held,
+    through the release at the next step's start too: each sync makes it score a finished sequence again, so
+    the others would be scored twice. The batch's collect scores them, once, and the experiences are
+    upstream's."""
+    coordinator, engine = engine_scores_the_policy, pipeline.engines[0]
+    coordinator.hold()  # training
+    samples = generate(pipeline, workload([9, 30, 12, 17], seed=67))
+    before = scorer_stats(pipeline)["policy"].final_tokens
+    ray.get(engine.oppo_resume.remote(weight_version=1, resume=False))  # the weight sync
+    next_batch = [s.stream for s in samples[:2]]
+    coordinator.release_engine_scoring(next_batch)
+    expected = sum(info.length for info in next_batch)
+    deadline = time.time() + 60
+    while scorer_stats(pipeline)["policy"].final_tokens - before < expected and time.time() < deadline:
+        time.sleep(0.1)
+
+    coordinator.release()  # the next step starts
+    assert coordinator.held == ["policy"]
+    time.sleep(1.0)
+    stats = scorer_stats(pipeline)["policy"]
+    assert (stats.final_tokens - before, stats.waiting) == (expected, len(samples))
+    streamed, upstream, metrics = experiences_both_ways(pipeline, samples)
+    assert_same_experiences(streamed, upstream)
+    assert metrics["oppo/fallback_micro_batches"] == 0
+    assert scorer_stats(pipeline)["policy"].final_tokens - before == sum(s.stream.length for s in samples)
 
 
 def test_a_sequence_at_the_length_limit_is_scored_by_the_policys_forward(pipeline, workload, engine_scores_the_policy):

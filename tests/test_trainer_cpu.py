@@ -74,7 +74,7 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
     assert len(traces) == len(steps)
     names = {event["name"] for event in json.load(open(traces[-1]))["traceEvents"]}
     assert {"generation", "make_experience", "ppo_train", "weight_sync", "prefill", "fit"} <= names
-    assert {"flush", "collect", "kl_advantages"} <= names  # the parts of make_experience
+    assert {"flush", "collect", "kl_advantages", "advantages"} <= names  # the parts of make_experience
     assert {"release", "top_up", "wait", "hold"} <= names  # the parts of generation
     # Chunks held through training reach the critic and the policy only when the next step starts.
     assert not any(prefills_while_training(trace, role) for trace in traces for role in ("critic", "policy"))
@@ -267,12 +267,13 @@ def test_a_run_with_the_state_moves_overlapped(checkpoints, engine, tmp_path, cr
 def test_the_engine_scores_the_policys_logprobs(checkpoints, engine, tmp_path):
     """``--oppo.policy_logprobs vllm``: the engine scores the policy's log-probs of its samples (no micro-batch
     falls back to the policy's forward, and the policy's ranks, which have no scorer, prefill nothing), every
-    prompt is trained once and no score is left behind."""
+    prompt is trained once and no score is left behind. With Delta twice the batch, the next step's groups are
+    all done by some weight sync, and the engine then scores theirs only."""
     prompts = str(tmp_path / "prompts.jsonl")
     tiny.write_prompts(prompts, LENGTHS, seed=3)
     steps = run(
         checkpoints, engine, tmp_path, prompts,
-        "--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8", "--oppo.policy_logprobs", "vllm",
+        "--oppo.enable", "--oppo.overcommit", "8", "--oppo.chunk_size", "8", "--oppo.policy_logprobs", "vllm",
         "--rollout.temperature", "1.0", "--oppo.trace_dir", str(tmp_path / "trace"),
     )  # fmt: skip
     assert sum(s["rollout/num_samples"] for s in steps) == len(LENGTHS) * 2
@@ -280,6 +281,7 @@ def test_the_engine_scores_the_policys_logprobs(checkpoints, engine, tmp_path):
         assert step["oppo/fallback_micro_batches"] == 0
         assert step["oppo/scores_waiting"] <= step["oppo/carried_groups"] * 2  # only carried samples wait
         assert step["oppo/busy_s/policy"] > 0 and step["oppo/busy_s/critic"] > 0  # the engine's time, the critic's
+    assert max(s["oppo/engine_scoring_batch_only"] for s in steps) == 1.0
     traces = glob.glob(str(tmp_path / "trace" / "step_*.json"))
     events = [event for trace in traces for event in json.load(open(trace))["traceEvents"]]
     prefills = {event["tid"] for event in events if event["name"] == "prefill"}

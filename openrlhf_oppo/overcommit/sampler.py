@@ -42,6 +42,7 @@ class PromptGroup:
     deferrals: int = 0  # steps this group has been carried over
     ref: Optional[ray.ObjectRef] = None
     experiences: Optional[list] = None  # set when all its samples are done
+    announced: bool = False  # in the next batch that ``next_batch_streams`` named: the next step takes it
 
 
 class OvercommitSamplesGenerator(OPPOSamplesGenerator):
@@ -172,7 +173,8 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         self.groups.extend(groups)
 
     def _wait(self, batch: int, generate_kwargs, started: float, stats: dict) -> float:
-        """Collect finished groups until ``batch`` are done and no overdue group is still running.
+        """Collect finished groups, in take order, until ``batch`` are done, no overdue group is still running
+        and the announced next batch (``next_batch_streams``, all done then) is collected.
 
         Returns the time (s since ``started``) at which the ``batch``-th group was done.
         """
@@ -184,9 +186,11 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
             pbar.refresh()
             if done >= batch and not bth_done_at:
                 bth_done_at = time.time() - started
-            running = {g.ref: g for g in self.groups if g.experiences is None}
+            # ray.wait lists the ready ones in this order: the groups to take first are collected first.
+            running = {g.ref: g for g in self._in_take_order([g for g in self.groups if g.experiences is None])}
             overdue = any(g.deferrals >= self.max_defer_steps for g in running.values())
-            if not running or (done >= batch and not overdue):
+            announced = any(g.announced for g in running.values())
+            if not running or (done >= batch and not overdue and not announced):
                 break
             ready, _ = ray.wait(list(running), num_returns=1, timeout=10.0)
             for ref in ready:
@@ -221,23 +225,29 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         self.groups = [g for g in self.groups if id(g) not in taken_ids]
         for group in self.groups:
             group.deferrals += 1
+            group.announced = False
         return taken
 
     def _in_take_order(self, groups: List[PromptGroup]) -> List[PromptGroup]:
-        """Overdue groups first, then the longest carried, then in dispatch order (``self.groups``'s, which
-        ``groups`` keeps): an order known before the groups are collected (``next_batch_streams``)."""
-        return sorted(groups, key=lambda g: (g.deferrals < self.max_defer_steps, -g.deferrals))  # stable
+        """Overdue groups first, then those of the announced next batch, then the longest carried, then in
+        dispatch order (``self.groups``'s, which ``groups`` keeps): an order known before the groups are
+        collected (``next_batch_streams``)."""
+        return sorted(
+            groups, key=lambda g: (g.deferrals < self.max_defer_steps, not g.announced, -g.deferrals)
+        )  # stable
 
     def next_batch_streams(self) -> Optional[List[StreamInfo]]:
         """The streams of the groups the next step will train, if it started now; None while fewer than a batch
-        are done. A group still running that finishes first may yet take the place of one of them, when it is
-        overdue or carried longer."""
+        are done. Once named, the next step takes these groups: the critic and the engines score them after
+        their weights change, and would score a group that took the place of one of them only at its collect.
+        Only a group that is overdue when the step starts comes first."""
         batch = self.args.rollout.batch_size
         done = self._done_groups()
         if len(done) < batch:
             return None
         streams = []
         for group in self._in_take_order(done)[:batch]:
+            group.announced = True
             if group.experiences is not None:
                 streams += [e.stream for e in group.experiences if getattr(e, "stream", None)]
             else:  # done, not collected yet: its responses are in Ray's object store

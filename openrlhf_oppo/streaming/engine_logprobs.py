@@ -87,12 +87,17 @@ class EngineLogprobs:
         for uid in sorted(self.finished, key=lambda uid: self.finished[uid].first_version):  # stable: finish order
             self._start(uid)
 
+    def score(self, uids) -> None:
+        """Score these finished sequences with the engine's current weights now, held or not (the next batch's,
+        after a weight sync: the others are scored when they are collected or released)."""
+        for uid in uids:
+            if uid in self.finished:
+                self._start(uid)
+
     async def collect(self, uids) -> Dict[str, Optional[ScoredSequence]]:
         """The scores of these sequences (None for one this engine did not finish), all with the current
         weights: a sequence not scored yet, or scored with older weights, is scored now."""
-        for uid in uids:
-            if uid in self.finished:
-                self._start(uid)  # all at once: the engine batches them
+        self.score(uids)  # all at once: the engine batches them
         results = {}
         for uid in uids:
             entry = self.finished.get(uid)

@@ -338,7 +338,11 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
     @ray.method(concurrency_group=CONTROL)
     def oppo_flush(self, uids=None, roles=None) -> List[Tuple[str, ray.ObjectRef]]:
         """Send the queued chunks of ``uids`` (all if None) for ``roles`` (all if None) now; return the prefill
-        calls still running, each with the scoring actor it went to (wait on them before collecting scores)."""
+        calls still running, each with the scoring actor it went to (wait on them before collecting scores).
+        Where this engine scores the policy, its finished sequences among ``uids`` are scored now too, held or
+        not (``collect`` waits for them)."""
+        if self.policy_logprobs is not None and uids is not None and (roles is None or "policy" in roles):
+            self.loop.call_soon_threadsafe(self.policy_logprobs.score, list(uids))
         if self.outbox is None:
             return []
         return self.outbox.flush(set(uids) if uids is not None else None, set(roles) if roles is not None else None)
