@@ -209,7 +209,7 @@ OPTIONS = {
             "oppo/critic_fit_s with oppo/policy_fit_s for the time it can gain. 'next_batch': as after_fit, but once "
             "the next step's groups are all done (Delta of about the batch or more), only their chunks: the critic "
             "prefills a sequence again after each update of its weights, so the chunks of the groups a later step "
-            "trains wait for that (oppo/critic_catch_up_batch_only says which it did). 'auto': after_fit where the "
+            "trains wait for that (oppo/critic_catch_up_batch_only says which it did). 'auto': next_batch where the "
             "policy's log-probs come from vLLM (--oppo.policy_logprobs vllm), which leaves the critic's catch-up the "
             "only prefill after the sync; next_step otherwise, where the policy's catch-up follows the sync anyway "
             "and the critic's early start slows the policy's training by about as much as it saves.",
@@ -589,13 +589,13 @@ def _resolve_plan(args) -> None:
         else oppo.overcommit
     )
     if oppo.critic_catch_up == "auto":
-        oppo.critic_catch_up = "after_fit" if _critic_catches_up_alone(args) else "next_step"
+        oppo.critic_catch_up = "next_batch" if _critic_catches_up_alone(args) else "next_step"
 
 
 def _critic_catches_up_alone(args) -> bool:
-    """'auto': the critic's catch-up starts after its fit where it is the only prefill left after the sync (the
-    engines score the policy's log-probs) and the models stay awake through training, as after_fit needs (the
-    policy streams only apart from vLLM, not under --train.colocate_all)."""
+    """'auto': the critic's catch-up of the next batch starts after its fit where it is the only prefill left after
+    the sync (the engines score the policy's log-probs) and the models stay awake through training, as after_fit
+    and next_batch need (the policy streams only apart from vLLM, not under --train.colocate_all)."""
     oppo = args.oppo
     return (
         oppo.inter_step

@@ -377,17 +377,20 @@ def test_policy_logprobs_from_vllm_leave_the_policy_streamed_and_say_so(capsys):
     "extra, catch_up",
     [
         ([], "next_step"),
-        (["--oppo.policy_logprobs", "vllm"], "after_fit"),
+        (["--oppo.policy_logprobs", "vllm"], "next_batch"),
         (["--oppo.policy_logprobs", "vllm", "--oppo.critic_catch_up", "next_step"], "next_step"),
         (["--oppo.policy_logprobs", "vllm", "--oppo.overcommit", "0"], "next_step"),
         (["--oppo.critic_catch_up", "after_fit"], "after_fit"),
     ],
 )
-def test_critic_catch_up_auto_starts_after_the_fit_where_the_engines_score_the_policy(extra, catch_up, capsys):
-    """'auto' picks after_fit only where the critic's catch-up is the one prefill left after the weight sync."""
+def test_critic_catch_up_auto_catches_up_after_the_fit_where_the_engines_score_the_policy(extra, catch_up, capsys):
+    """'auto' picks next_batch (after_fit, of the next batch only) only where the critic's catch-up is the one
+    prefill left after the weight sync."""
     args = parse_args(BASE + ["--oppo.enable"] + extra)
     assert args.oppo.critic_catch_up == catch_up
-    assert ("the critic's catch-up after its fit" in capsys.readouterr().out) == (catch_up == "after_fit")
+    out = capsys.readouterr().out
+    assert ("the critic's catch-up after its fit" in out) == (catch_up == "after_fit")
+    assert ("the critic's catch-up of the next batch after its fit" in out) == (catch_up == "next_batch")
 
 
 @pytest.mark.parametrize("utilization", ["0.75", "0.95"])
