@@ -231,13 +231,13 @@ def test_weight_update_with_a_request_in_flight(pipeline, engine, checkpoints, c
         coordinator.connect(scorer_settings(1 << 30, 1.0), stream_settings(8, salt_prompts=False))
 
 
-def test_the_announced_next_batch_is_the_one_the_next_step_takes(pipeline, workload):
+def test_the_announced_next_batch_is_the_one_the_next_step_takes(pipeline, workload, monkeypatch):
     """Once ``next_batch_streams`` names the next step's groups (the critic and the engines score those after
     their weights change), the next step takes them, though a group carried longer, which would come first,
     finishes in between: here the long response, topped up before the groups it overtakes."""
     loader = prompt_dataloader(workload([3] * 9 + [200], seed=61), pipeline.args, pipeline.tokenizer)
     generator = pipeline.samples_generator(loader, "overcommit", delta=2, max_defer_steps=5, top_up_at_step_end=True)
-    pipeline.args.rollout.batch_size = 2
+    monkeypatch.setattr(pipeline.args.rollout, "batch_size", 2)  # the engine tests share the args
     long_group = None
     while long_group is None or long_group.deferrals == 0:
         generator.generate_samples(**pipeline.generate_kwargs())
@@ -253,3 +253,4 @@ def test_the_announced_next_batch_is_the_one_the_next_step_takes(pipeline, workl
     samples, *_ = generator.generate_samples(**pipeline.generate_kwargs())
     assert {s.stream.uid for s in samples} == {info.uid for info in announced}
     assert long_group in generator.groups
+    ray.get([g.ref for g in generator.groups if g.ref is not None])  # nothing left decoding for the next test
