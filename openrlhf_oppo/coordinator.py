@@ -173,26 +173,25 @@ class StreamCoordinator:
         self.held = [role for role in self.held if role not in released]
         self._each_engine("oppo_hold", "releasing the held chunks", self.held)
 
-    def catch_up(self, role: str, infos: Iterable[StreamInfo]) -> None:
-        """Send ``role``'s held chunks of these sequences (the next batch's) and keep its other chunks held, through
-        the next ``release`` too, until a ``flush`` or a later ``catch_up`` sends them with their batch: a
-        trainable model prefills a sequence again after each update of its weights, so the chunks of sequences
-        that a later step trains would be prefilled for nothing now."""
+    def catch_up(self, role: str, infos: Optional[Iterable[StreamInfo]]) -> None:
+        """``role``'s model has its new weights. Send its held chunks of these sequences (the next batch's) and keep
+        its other chunks held, through the next ``release`` too, until a ``flush`` or a later ``catch_up`` sends
+        them with their batch: a trainable model prefills a sequence again after each update of its weights, so
+        the chunks of sequences that a later step trains would be prefilled for nothing now. With no ``infos``
+        (the next batch is not known yet), release all of them."""
+        if infos is None:
+            self.release([role])
+            return
         uids = [info.uid for info in infos if info.ranks]
         self._each_engine("oppo_flush", "sending the next batch's held chunks", uids, roles=[role])
         self.kept_held.add(role)
 
     def release_engine_scoring(self, next_batch: Optional[Sequence[StreamInfo]] = None) -> None:
-        """Release the held roles that the engines score (the policy's log-probs), whose weights are the engines'
-        own: they have them as soon as the weight sync ends. Given the next batch, the engines score its
-        sequences only, and keep the rest held like ``catch_up``: each weight sync makes them score a finished
-        sequence again, so the others (those a later step trains) would be scored for nothing now."""
-        held = [role for role in self.scored_by_engines if role in self.held]
-        if next_batch is None:
-            if held:
-                self.release(held)
-            return
-        for role in held:
+        """``catch_up`` the held roles that the engines score (the policy's log-probs), whose weights are the
+        engines' own: they have them as soon as the weight sync ends. Given the next batch, the engines score its
+        sequences only: each weight sync makes them score a finished sequence again, so the others (those a later
+        step trains) would be scored for nothing now."""
+        for role in [role for role in self.scored_by_engines if role in self.held]:
             self.catch_up(role, next_batch)
 
     def pause(self, clear_cache: bool) -> None:

@@ -276,15 +276,12 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         """The critic's weights are final: send it the chunks held through training. With ``--oppo.critic_catch_up
         next_batch``, once the next step's groups are all done, only theirs: the critic prefills a sequence again
         after each update of its weights, so the others' would be prefilled twice. They stay held until that
-        step's ``make_experience`` sends those of its batch (a group that overtook one of them included)."""
+        step's ``make_experience`` sends those of its batch (an overdue group that took the place of one included)."""
         streams = None
         if self.args.oppo.critic_catch_up == "next_batch":
             streams = self.samples_generator.next_batch_streams()
-        if streams is None:
-            self.coordinator.release(["critic"])
-            return {"oppo/critic_catch_up_batch_only": 0.0}
         self.coordinator.catch_up("critic", streams)
-        return {"oppo/critic_catch_up_batch_only": 1.0}
+        return {"oppo/critic_catch_up_batch_only": float(streams is not None)}
 
     def _train_overlapping_state_moves(self, global_steps) -> dict:
         """``--oppo.state_moves overlap``: upstream's ``ppo_train`` (0.11.2, its sleep-mode branch), COPIED, with

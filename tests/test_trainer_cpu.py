@@ -156,8 +156,9 @@ def _state_moves_trainer(monkeypatch, log, frozen_policy=False, vllm_asleep=True
             oppo=SimpleNamespace(critic_catch_up=critic_catch_up),
         ),
         coordinator=SimpleNamespace(
-            release=lambda roles: log.append(f"release {' '.join(roles)}"),
-            catch_up=lambda role, streams: log.append(f"catch_up {role} {' '.join(streams)}"),
+            catch_up=lambda role, streams: log.append(  # the coordinator releases the role without a next batch
+                f"release {role}" if streams is None else f"catch_up {role} {' '.join(streams)}"
+            ),
         ),
         samples_generator=SimpleNamespace(next_batch_streams=lambda: ["next", "batch"]),  # all done
         critic_model_group=_Group("critic", log),

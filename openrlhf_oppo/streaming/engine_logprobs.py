@@ -84,8 +84,7 @@ class EngineLogprobs:
         oldest samples first, then in the order they finished. The next step trains the groups carried longest
         first (``OvercommitSamplesGenerator._in_take_order``), and vLLM schedules the requests as they arrive:
         its answer need not wait behind the groups a later step trains."""
-        for uid in sorted(self.finished, key=lambda uid: self.finished[uid].first_version):  # stable: finish order
-            self._start(uid)
+        self.score(sorted(self.finished, key=lambda uid: self.finished[uid].first_version))  # stable: finish order
 
     def score(self, uids) -> None:
         """Score these finished sequences with the engine's current weights now, held or not (the next batch's,
