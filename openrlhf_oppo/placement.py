@@ -155,6 +155,8 @@ def train(args):
         do_sample=True,
         max_len=max_len,
         max_new_tokens=args.rollout.max_new_tokens,
+        # --- OPPO change: patch 0015's --rollout.min_new_tokens, where applied (upstream: 1). ---
+        min_new_tokens=getattr(args.rollout, "min_new_tokens", 1),
         temperature=args.rollout.temperature,
         top_p=args.rollout.top_p,
     )

@@ -204,3 +204,35 @@ def test_runs_are_evaluated_on_the_warm_ups_held_out_sums():
     assert flags == ["--eval.dataset", "/w/heldout.jsonl", "--eval.steps", "10", "--eval.temperature", "0",
                      "--eval.n_samples_per_prompt", "1", "--ckpt.best_metric_key", "none"]  # fmt: skip
     assert learning.eval_flags("/w", 0) == []
+
+
+@pytest.mark.engine
+def test_under_min_tokens_vllms_first_token_logprob_leaves_out_the_end_of_text(tmp_path):
+    """Why the learning benchmark samples with ``--rollout.min_new_tokens 0`` (patch 0015): with upstream's
+    min_tokens=1, vLLM masks the end of text at the first token, and its processed log-prob of the token it samples
+    there (the importance correction's pi_rollout) is the policy's minus log(1 - p(eos)). With 0 the two agree."""
+    import math
+    import subprocess
+    import sys
+
+    helper = os.path.join(os.path.dirname(__file__), "first_token_logprob_helper.py")
+    done = subprocess.run([sys.executable, helper, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    gap = -math.log(1 - result["p_eos"])
+    assert gap > 0.1  # the model's first token is the end of text often enough to matter
+    for token, vllm_logprob, policy_logprob in result["min_tokens_1"]:
+        assert token != result["eos"]
+        assert vllm_logprob - policy_logprob == pytest.approx(gap, abs=1e-3)
+    for token, vllm_logprob, policy_logprob in result["min_tokens_0"]:
+        assert vllm_logprob == pytest.approx(policy_logprob, abs=1e-3)
+    assert any(token == result["eos"] for token, _, _ in result["min_tokens_0"])
+
+
+def test_the_benchmark_lets_responses_end_at_their_first_token_where_the_patches_allow():
+    for patched in (True, False):
+        argv = ["--task", "addition", "--out", "OUT"] + (["--upstream_patches"] if patched else [])
+        flags = learning.run_flags("W", "OUT", "n", "upstream-sync", 0, learning.parse(argv))
+        assert ("--rollout.min_new_tokens" in flags) == patched
+        if patched:
+            assert flags[flags.index("--rollout.min_new_tokens") + 1] == "0"

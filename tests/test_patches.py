@@ -3,7 +3,7 @@ own train_ppo_ray loads OPPO as an extension, OPPO's wrapper keeps working, and 
 say (prompt order seeded, tokenizer sent once, advantages equal bit for bit, a checkpoint of an episode's
 last step resumes in the next episode, the critic's training awaited first with a hook after it, the
 sleep-mode branch a method, CPU Adam on the host's cores, awake colocated engines up before the models load,
-ppo_train's metrics read to the host once per fit;
+ppo_train's metrics read to the host once per fit, the rollouts' min_tokens a flag;
 the bucketed weight sync of 0007 runs against a real engine in test_weight_sync.py)."""
 
 import json
@@ -55,6 +55,7 @@ def test_there_are_patches():
         "0012",
         "0013",
         "0014",
+        "0015",
     ]
 
 
@@ -488,3 +489,43 @@ def test_patched_ppo_train_reads_its_metrics_once_per_fit(patched, checkpoints):
     reads = {name: [(fit["actor_reads"], fit["critic_reads"]) for fit in runs.values()] for name, runs in fits.items()}
     assert reads["upstream"][1][0] > reads["upstream"][0][0] and reads["upstream"][1][1] > reads["upstream"][0][1]
     assert reads["patched"] == [(2, 1), (2, 1)]  # the actor's sums and gradient norm; the critic's means
+
+
+def test_patched_cli_takes_min_new_tokens_to_the_rollouts_sampling(patched):
+    """Patch 0015: ``--rollout.min_new_tokens`` (default 1, upstream's) is parsed, ``train`` hands it to the
+    trainer with the other generate kwargs, and upstream's samples generator samples with it as min_tokens. What
+    vLLM does with min_tokens 1 and 0 is in test_learning.py."""
+    out = run(
+        patched,
+        f"""
+        import ast, inspect
+        from types import SimpleNamespace
+        import ray
+        from openrlhf.cli import train_ppo_ray
+        from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+        from openrlhf_oppo.cli.train_ppo_ray import parse_args
+
+        print("parsed", parse_args({BASE!r}.split()).rollout.min_new_tokens,
+              parse_args({BASE!r}.split() + ["--rollout.min_new_tokens", "0"]).rollout.min_new_tokens)
+        call = next(node for node in ast.walk(ast.parse(inspect.getsource(train_ppo_ray.train)))
+                    if isinstance(node, ast.Call) and ast.unparse(node.func) == "PPOTrainer.remote")
+        print("passed", [ast.unparse(k.value) for k in call.keywords if k.arg == "min_new_tokens"])
+
+        sent = []
+        engine = SimpleNamespace(
+            set_tokenizer=SimpleNamespace(remote=lambda *a, **k: None),
+            get_num_unfinished_requests=SimpleNamespace(remote=lambda: 0),
+            generate_responses=SimpleNamespace(remote=lambda *a, **k: sent.append(k["sampling_params"])),
+        )
+        ray.get = lambda refs: refs
+        args = SimpleNamespace(algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_level="token")),
+                               rollout=SimpleNamespace(n_samples_per_prompt=1))
+        generator = SamplesGenerator(SimpleNamespace(args=args), None, None, "TOKENIZER", [engine])
+        generator._dispatch_prompts_to_vllm(["a"], ["1"], max_new_tokens=4, min_new_tokens=0)
+        generator._dispatch_prompts_to_vllm(["a"], ["1"], max_new_tokens=4)
+        print("sampled", [params.min_tokens for params in sent])
+        """,
+    )
+    assert "parsed 1 0" in out
+    assert "passed ['args.rollout.min_new_tokens']" in out
+    assert "sampled [0, 1]" in out

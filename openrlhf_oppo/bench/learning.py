@@ -182,10 +182,23 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
             "--actor.adam.lr", str(args.lr),
             "--actor.lr_scheduler", args.lr_scheduler,
         ]
+        + first_token_flags(args.upstream_patches)
         + eval_flags(workdir, args.eval_every)
         + system_flags(system, args.placement, args.overcommit)
         + args.extra
     )  # fmt: skip
+
+
+def first_token_flags(patched: bool) -> list:
+    """Responses that may end at their first token, where the patches give upstream the flag (0015).
+
+    Upstream samples with vLLM's min_tokens=1, which masks the end of text at the first token; the importance
+    correction above then takes vLLM's log-prob of that token without the end of text's probability, and a
+    response that ends there is never sampled, so never corrected. In a GPU run on this task (docs/RESULTS.md)
+    the responses became a stray first token and the end of text, the correction filtered half of their tokens,
+    and vLLM's log-probs exceeded the policy's by 5 nats a token: what that mask leaves when the policy puts
+    nearly all its first-token probability on the end of text."""
+    return ["--rollout.min_new_tokens", "0"] if patched else []
 
 
 def eval_flags(workdir: str, every: int) -> list:
