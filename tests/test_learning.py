@@ -45,10 +45,13 @@ def test_openrlhf_loads_the_rule_reward_by_path_and_it_scores_the_decoded_respon
         tokenizer.encode(right),  # cut off before its end (the length limit)
         tokenizer.encode(right.replace("=17", "=16")) + eos,  # a slip in the chain, the answer still right
         tokenizer.encode(right + ",0") + eos,  # not ending with the answer
+        eos,  # the end of text at once (sampled with --rollout.min_new_tokens 0)
+        tokenizer.encode("7") + eos,  # a stray token, then the end
     ]
     queries = [tokenizer.decode(tokenizer.encode(prompt) + ids, skip_special_tokens=False) for ids in responses]
     out = executor.reward_func(queries, [prompt] * len(queries), ["6788"] * len(queries))
-    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert out["extra_logs"]["first_token_end"].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
 
 
 def test_warm_up_is_cached_with_its_settings(tmp_path):

@@ -76,13 +76,17 @@ def answer(response: str) -> Optional[str]:
 
 
 def reward_func(queries, prompts, labels):
-    """OpenRLHF's rule reward: 1 for the right sum, given at the end of a finished response, else 0."""
+    """OpenRLHF's rule reward: 1 for the right sum, given at the end of a finished response, else 0.
+
+    Logged beside it (``extra_logs``, a step's mean): ``first_token_end``, the share of responses that are the end
+    of text alone. Only a run sampled with ``--rollout.min_new_tokens 0`` can have them; where the policy moves
+    probability there, this is where it shows (``learning.first_token_flags``)."""
     import torch
 
-    rewards = torch.tensor(
-        [float(answer(query[len(prompt) :]) == label) for query, prompt, label in zip(queries, prompts, labels)]
-    )
-    return {"rewards": rewards, "scores": rewards}
+    responses = [query[len(prompt) :] for query, prompt in zip(queries, prompts)]
+    rewards = torch.tensor([float(answer(response) == label) for response, label in zip(responses, labels)])
+    ended_at_once = torch.tensor([float(response == EOS) for response in responses])
+    return {"rewards": rewards, "scores": rewards, "extra_logs": {"first_token_end": ended_at_once}}
 
 
 def write_prompts(path: str, count: int, seed: int, **digits) -> dict:
