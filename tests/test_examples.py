@@ -55,8 +55,11 @@ VARIANTS = [(script, {}, []) for script in BENCHMARKS] + [
 def fake_bench(tmp_path_factory):
     """A ``python3`` that checks a benchmark command line without running it: the harness's options, then every
     run's ``train_ppo_ray`` flags with upstream's parser and OPPO's checks; with ``--upstream_patches``, the parser
-    of the patched copy the runs would import."""
+    of the patched copy the runs would import (made once for every script)."""
+    from openrlhf_oppo.bench.patched_upstream import make_patched_copy
+
     folder = tmp_path_factory.mktemp("bench-bin")
+    patched = make_patched_copy(str(folder / "openrlhf-patched"))
     fake = folder / "python3"
     fake.write_text(
         f"#!{sys.executable}\n"
@@ -64,10 +67,7 @@ def fake_bench(tmp_path_factory):
         "assert sys.argv[1:3] == ['-m', 'openrlhf_oppo.bench'], sys.argv\n"
         "sys.argv = ['openrlhf_oppo.bench'] + sys.argv[3:]\n"
         "if '--upstream_patches' in sys.argv:\n"
-        "    from openrlhf_oppo.bench.patched_upstream import make_patched_copy\n"
-        f"    sys.path.insert(0, make_patched_copy({str(folder / 'openrlhf-patched')!r}))\n"
-        "    for name in [n for n in sys.modules if n == 'openrlhf' or n.startswith('openrlhf.')]:\n"
-        "        del sys.modules[name]\n"
+        f"    sys.path.insert(0, {patched!r})  # before anything imports openrlhf\n"
         "from openrlhf_oppo.cli.train_ppo_ray import parse_args\n"
         "if '--task' in sys.argv:\n"
         "    from openrlhf_oppo.bench import learning\n"
