@@ -239,3 +239,38 @@ def test_the_benchmark_lets_responses_end_at_their_first_token_where_the_patches
         assert ("--rollout.min_new_tokens" in flags) == patched
         if patched:
             assert flags[flags.index("--rollout.min_new_tokens") + 1] == "0"
+
+
+def test_the_kl_is_a_loss_since_group_norm_leaves_a_kl_in_the_reward_without_baseline():
+    """Why the learning benchmark sets ``--algo.kl.use_loss``: OpenRLHF's group_norm normalises the task's reward
+    within the prompt's samples, then adds the KL penalty per token with no baseline. For a group whose samples are
+    all wrong, upstream's returns are then negative at every token, most at the first: each step pushes every
+    sampled token down, the more so the longer the response."""
+    from types import SimpleNamespace
+
+    import torch
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    from openrlhf_oppo.cli.train_ppo_ray import parse_args
+
+    bench = learning.parse(["--task", "addition", "--out", "OUT", "--n_samples", "8"])
+    args = parse_args(learning.run_flags("W", "OUT", "n", "upstream-sync", 0, bench))
+    assert args.algo.advantage.estimator == "group_norm"
+    assert args.algo.kl.use_loss and args.algo.kl.estimator == "k3"
+
+    # The KL in the reward instead (the benchmark's setting before): 8 wrong responses of 5 tokens, each token
+    # sampled 0.1 nats more likely under the policy than under the reference.
+    args.algo.kl.use_loss, args.algo.kl.estimator = False, "k1"
+    maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)
+    maker.strategy, maker.advantage_estimator = SimpleNamespace(args=args), "group_norm"
+    maker.kl_ctl = SimpleNamespace(value=args.algo.kl.init_coef)
+    group = Experience(
+        rewards=torch.zeros(8), kl=torch.full((8, 5), 0.1), action_mask=torch.ones(8, 5, dtype=torch.bool),
+        index=list(range(8)),
+    )  # fmt: skip
+    (experience,) = maker.compute_advantages_and_returns([group])
+    coef = args.algo.kl.init_coef
+    expected = torch.tensor([-coef * 0.1 * (5 - t) for t in range(5)]).expand(8, 5)
+    assert torch.allclose(experience.advantages, expected)
+    assert (experience.advantages < 0).all()

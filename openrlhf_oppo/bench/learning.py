@@ -173,6 +173,14 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
             "--train.max_epochs", "1",
             # Advantages against the other samples of the prompt: no critic to learn first.
             "--algo.advantage.estimator", "group_norm",
+            # The KL to the reference as a loss, as OpenRLHF's GRPO recipe has it, not in the reward: group_norm
+            # normalises the task's reward only, so a KL penalty in the reward reaches the returns with no baseline.
+            # In a group whose samples are all wrong, every token's return is then minus the KL summed after it,
+            # largest at the first token: each step pushes the sampled tokens down, more so the longer the
+            # response. In a GPU run (docs/RESULTS.md) upstream sync's KL rose from 0.04 to 0.56 while its
+            # responses shrank from 66 tokens to 32 and none got more right.
+            "--algo.kl.use_loss",
+            "--algo.kl.estimator", "k3",
             "--algo.kl.init_coef", "0.01",
             # Samples decoded by older weights than the ones that score them (upstream async always, OPPO's
             # carried ones) are weighted by pi_train/pi_rollout, clipped (OpenRLHF's TIS): without it upstream
