@@ -399,6 +399,23 @@ def validate(args) -> None:
         oppo.streamed_roles, oppo.inter_step, oppo.frozen_scorers_on = [], False, "models"
         oppo.stream_interval = 1  # vLLM's own: upstream's runs on the benchmark's rollout actor stay as they are
     print(f"[openrlhf-oppo] {describe(args)}", flush=True)
+    _warn_of_the_first_tokens_log_prob(args)
+
+
+def _warn_of_the_first_tokens_log_prob(args) -> None:
+    """OpenRLHF samples with vLLM's min_tokens=1, which masks the end of text at the first token; with the
+    importance correction on, vLLM's log-prob of that token (pi_rollout) then leaves out the end of text's
+    probability, and a response that ends there is never sampled, so never corrected (docs/RESULTS.md,
+    learning-1gpu-small-addition-constant-lr5e-5). Patch 0015 makes it ``--rollout.min_new_tokens``."""
+    if args.algo.advantage.is_correction_level == "off" or getattr(args.rollout, "min_new_tokens", 1) < 1:
+        return
+    fix = "--rollout.min_new_tokens 0" if hasattr(args.rollout, "min_new_tokens") else "patch 0015"
+    print(
+        f"[openrlhf-oppo] warning: --algo.advantage.is_correction_level {args.algo.advantage.is_correction_level} "
+        "with responses of at least one token: vLLM's log-prob of the first token leaves out the end of text's "
+        f"probability, so the correction is biased there and can drift the policy towards it ({fix} removes it).",
+        flush=True,
+    )
 
 
 def _check_placement(args) -> None:

@@ -324,6 +324,15 @@ SPLIT_2GPU = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("correction", ["off", "token"])
+def test_the_importance_correction_warns_of_the_first_tokens_log_prob(correction, capsys):
+    """OpenRLHF as published samples with min_tokens=1 and has no flag for it: the warning names the patch."""
+    parse_args(BASE + ["--algo.advantage.is_correction_level", correction])
+    out = capsys.readouterr().out
+    assert ("the correction is biased there" in out) == (correction != "off")
+    assert ("(patch 0015 removes it)" in out) == (correction != "off")
+
+
 @pytest.mark.parametrize(
     "extra, placed",
     [

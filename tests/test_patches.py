@@ -507,6 +507,10 @@ def test_patched_cli_takes_min_new_tokens_to_the_rollouts_sampling(patched):
 
         print("parsed", parse_args({BASE!r}.split()).rollout.min_new_tokens,
               parse_args({BASE!r}.split() + ["--rollout.min_new_tokens", "0"]).rollout.min_new_tokens)
+        corrected = {BASE!r}.split() + ["--algo.advantage.is_correction_level", "token"]
+        parse_args(corrected)
+        print("then")
+        parse_args(corrected + ["--rollout.min_new_tokens", "0"])
         call = next(node for node in ast.walk(ast.parse(inspect.getsource(train_ppo_ray.train)))
                     if isinstance(node, ast.Call) and ast.unparse(node.func) == "PPOTrainer.remote")
         print("passed", [ast.unparse(k.value) for k in call.keywords if k.arg == "min_new_tokens"])
@@ -527,5 +531,9 @@ def test_patched_cli_takes_min_new_tokens_to_the_rollouts_sampling(patched):
         """,
     )
     assert "parsed 1 0" in out
+    # With the importance correction on, the parse warns of the first token's log-prob until it is set to 0.
+    warned, after = out.split("\nthen\n")
+    assert "the correction is biased there" in warned and "(--rollout.min_new_tokens 0 removes it)" in warned
+    assert "the correction is biased there" not in after.split("passed")[0]
     assert "passed ['args.rollout.min_new_tokens']" in out
     assert "sampled [0, 1]" in out
