@@ -274,3 +274,14 @@ def test_the_kl_is_a_loss_since_group_norm_leaves_a_kl_in_the_reward_without_bas
     expected = torch.tensor([-coef * 0.1 * (5 - t) for t in range(5)]).expand(8, 5)
     assert torch.allclose(experience.advantages, expected)
     assert (experience.advantages < 0).all()
+
+
+def test_delta_is_the_batch_split_and_an_eighth_of_it_colocated():
+    """Colocated, the awake system tops up at the step's end and the small model decodes the next batch during
+    training: a Delta of a whole batch would only make each step train samples a version older."""
+    split = learning.parse(["--task", "addition", "--out", "x"])
+    colocated = learning.parse(["--task", "addition", "--out", "x", "--gpus", "1", "--placement", "colocated"])
+    given = learning.parse(["--task", "addition", "--out", "x", "--placement", "colocated", "--overcommit", "32"])
+    assert (split.overcommit, colocated.overcommit, given.overcommit) == (32, 4, 32)
+    flags = learning.run_flags("W", "OUT", "n", "oppo-both-awake", 0, colocated)
+    assert flags[flags.index("--oppo.overcommit") + 1] == "4"

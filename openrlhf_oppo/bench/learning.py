@@ -45,7 +45,12 @@ def parse(argv=None):
     parser.add_argument("--batch", type=int, default=32, help="--rollout.batch_size (prompt groups per step)")
     parser.add_argument("--n_samples", type=int, default=8, help="samples per prompt (group_norm's group)")
     parser.add_argument("--steps", type=int, default=80, help="PPO steps per run")
-    parser.add_argument("--overcommit", type=int, default=None, help="Delta for the OPPO systems (default B)")
+    parser.add_argument(
+        "--overcommit",
+        type=int,
+        default=None,
+        help="Delta for the OPPO systems (default: --batch in the split placement, an eighth of it colocated)",
+    )
     parser.add_argument("--lr", type=float, default=5e-5, help="the policy's learning rate in PPO")
     parser.add_argument(
         "--lr_scheduler",
@@ -83,8 +88,12 @@ def parse(argv=None):
     if args.updates < 1 or samples % args.updates:
         parser.error(f"--updates {args.updates} must divide the {samples} samples of a step (--batch x --n_samples)")
     args.warmup = 0  # every PPO step counts (``run_system`` reads it)
-    # Delta equal to the batch: the next step's groups decode while this one trains (the speed runs' setting).
-    args.overcommit = args.overcommit if args.overcommit is not None else args.batch
+    # Split: Delta equal to the batch, so that the next step's groups decode while this one trains (the speed runs'
+    # setting). Colocated, the awake system starts the next step's prompts at the step's end, and the small model
+    # decodes them all during training: with Delta equal to the batch, 58-64 groups were done when each step
+    # began, the step trained the 32 carried longest, and its samples were 2 versions behind (docs/RESULTS.md).
+    if args.overcommit is None:
+        args.overcommit = args.batch if args.placement == "split" else max(1, args.batch // 8)
     return args
 
 
