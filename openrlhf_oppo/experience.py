@@ -117,28 +117,17 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
         """Upstream's make_experience has the reward model empty its CUDA cache after its forward, before the
         critic's on the same GPU (``--train.colocate_critic_reward``, which ``--oppo.colocate_models`` sets). A
         streamed reward ran no forward, and the call would wait behind every prefill call queued on the reward
-        scorer, which keeps scoring the carried sequences: it is not made then. The group's own method is back
-        once upstream's make_experience returns."""
+        scorer, which keeps scoring the carried sequences: it is not made then. Upstream has no hook there, so
+        its make_experience sees the reward group through ``_RewardGroupView`` until it returns."""
         group = self.reward_model_group
         if group is None or "reward" not in batch.scores:
             yield
             return
-        own = vars(group).get("async_run_method")  # an override on the instance, if any
-        run = group.async_run_method
-
-        def async_run_method(method_name, *args, **kwargs):
-            if method_name == "empty_cache" and "reward" not in batch.forwarded:
-                return []
-            return run(method_name, *args, **kwargs)
-
-        group.async_run_method = async_run_method
+        self.reward_model_group = _RewardGroupView(group, batch)
         try:
             yield
         finally:
-            if own is None:
-                del group.async_run_method
-            else:
-                group.async_run_method = own
+            self.reward_model_group = group
 
     def _dispatch_forward(self, group, sync_condition, **kwargs):
         role = self._role(group)
@@ -163,7 +152,23 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
         return [ray.put(outputs)]
 
     def _role(self, group) -> Optional[str]:
+        group = group.group if isinstance(group, _RewardGroupView) else group
         return next((role for role, g in self.coordinator.groups.items() if g is group), None)
+
+
+class _RewardGroupView:
+    """The reward model group, less the ``empty_cache`` call after a forward that ``batch`` did not run."""
+
+    def __init__(self, group, batch: StreamedBatch):
+        self.group, self.batch = group, batch
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+    def async_run_method(self, method_name, *args, **kwargs):
+        if method_name == "empty_cache" and "reward" not in self.batch.forwarded:
+            return []
+        return self.group.async_run_method(method_name, *args, **kwargs)
 
 
 def _assemble(role: str, samples: Experience, scored: List[Optional[ScoredSequence]]) -> Optional[torch.Tensor]:
