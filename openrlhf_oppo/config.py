@@ -409,7 +409,7 @@ def _warn_of_the_first_tokens_log_prob(args) -> None:
     learning-1gpu-small-addition-constant-lr5e-5). Patch 0015 makes it ``--rollout.min_new_tokens``."""
     if args.algo.advantage.is_correction_level == "off" or getattr(args.rollout, "min_new_tokens", 1) < 1:
         return
-    fix = "--rollout.min_new_tokens 0" if hasattr(args.rollout, "min_new_tokens") else "patch 0015"
+    fix = "--rollout.min_new_tokens 0" if hasattr(args.rollout, "min_new_tokens") else "patches/openrlhf/0015"
     print(
         f"[openrlhf-oppo] warning: --algo.advantage.is_correction_level {args.algo.advantage.is_correction_level} "
         "with responses of at least one token: vLLM's log-prob of the first token leaves out the end of text's "

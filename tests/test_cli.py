@@ -330,7 +330,7 @@ def test_the_importance_correction_warns_of_the_first_tokens_log_prob(correction
     parse_args(BASE + ["--algo.advantage.is_correction_level", correction])
     out = capsys.readouterr().out
     assert ("the correction is biased there" in out) == (correction != "off")
-    assert ("(patch 0015 removes it)" in out) == (correction != "off")
+    assert ("(patches/openrlhf/0015 removes it)" in out) == (correction != "off")
 
 
 @pytest.mark.parametrize(
