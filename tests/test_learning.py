@@ -129,7 +129,7 @@ def test_convergence_table_times_the_target_and_checks_the_band(tmp_path):
 
     report.write(results, str(tmp_path))
     assert (tmp_path / "table.md").read_text() == report.table(results)
-    for plot in ("accuracy-by-step.png", "accuracy-by-time.png"):
+    for plot in ("accuracy-by-step.png", "accuracy-by-time.png", "signals-by-step.png"):
         assert (tmp_path / plot).stat().st_size > 0
 
 

@@ -75,7 +75,7 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
     raw = json.loads((out / "results.json").read_text())
     assert str(tmp_path) not in json.dumps(raw) and raw["settings"]["out"] == "OUT"  # no folder of this machine
     assert (out / "table.md").read_text() == learning_report.table(raw)
-    for plot in ("accuracy-by-step.png", "accuracy-by-time.png", "breakdown.png"):
+    for plot in ("accuracy-by-step.png", "accuracy-by-time.png", "signals-by-step.png", "breakdown.png"):
         assert (out / plot).stat().st_size > 0
     assert f"Held-out accuracy (greedy, the same {(STEPS + 2) * BATCH} sums" in (out / "table.md").read_text()
     rows = [line for line in (out / "table.md").read_text().splitlines() if line.startswith("| upstream-sync")]

@@ -255,3 +255,58 @@ def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+
+
+# What the policy does besides its accuracy, per step: (logged key, axis label, log scale).
+SIGNALS = (
+    ("response_length", "response length (tokens)", False),
+    ("kl", "KL to the reference model\n(absolute value)", True),
+    ("vllm_kl", "vllm_kl, absolute value (vLLM's\nlog-prob minus the policy's)", True),
+    ("first_token_end", "share of responses that are\nthe end of text alone", False),
+)
+
+
+def plot_signals(results: dict, path: str) -> None:
+    """Response length, KL to the reference, vLLM's log-probs against the policy's, and the responses that end at
+    their first token, per step: a policy drifting away from the task shows here before its accuracy falls. Per
+    system the mean over the seeds, with a band from the lowest to the highest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    runs = {system: seeds for system, seeds in runs_by_system(results).items() if seeds}
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+    for ax, (key, label, log) in zip(axes.flat, SIGNALS):
+        plotted = False
+        for system, seeds in runs.items():
+            curves = [[s.get(key, float("nan")) for s in steps] for steps in seeds.values()]
+            count = min(len(c) for c in curves)
+            values = np.array([c[:count] for c in curves], dtype=float)
+            if np.isnan(values).all():  # not logged (older runs have no first_token_end)
+                continue
+            if log:  # a KL estimate can be slightly negative, or zero, where nothing moved
+                values = np.clip(np.abs(values), 1e-6, None)
+            plotted = True
+            x = np.arange(1, count + 1)
+            (line,) = ax.plot(x, np.nanmean(values, axis=0), label=system, lw=1.2)
+            if len(curves) > 1:
+                ax.fill_between(
+                    x, np.nanmin(values, axis=0), np.nanmax(values, axis=0), color=line.get_color(), alpha=0.2
+                )
+        ax.set_ylabel(label, fontsize=8)
+        if log and plotted:
+            ax.set_yscale("log")
+    for ax in axes[1]:
+        ax.set_xlabel("PPO step")
+    axes[0][0].legend(fontsize=8)
+    gpus = results["machine"]["gpus"]
+    fig.suptitle(
+        f"{results['task']['name']}, {results['settings']['shape']}, {len(gpus)}x {gpus[0] if gpus else 'CPU'}: "
+        "what the policy does, mean and range over seeds",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

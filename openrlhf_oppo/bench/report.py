@@ -561,6 +561,7 @@ def write(results: dict, out: str) -> None:
             learning_report.plot(
                 results, os.path.join(out, "accuracy-by-step.png"), os.path.join(out, "accuracy-by-time.png")
             )
+            learning_report.plot_signals(results, os.path.join(out, "signals-by-step.png"))
         elif is_convergence(results):
             plot_convergence(results, os.path.join(out, "convergence.png"))
         if any(memory_keys(r) for r in results["systems"].values()):
