@@ -298,6 +298,8 @@ def plot_signals(results: dict, path: str) -> None:
         ax.set_ylabel(label, fontsize=8)
         if log and plotted:
             ax.set_yscale("log")
+        if not plotted:
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes, fontsize=8)
     for ax in axes[1]:
         ax.set_xlabel("PPO step")
     axes[0][0].legend(fontsize=8)
