@@ -245,12 +245,8 @@ def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
         ax.set_ylabel(f"accuracy\nsampled ({SMOOTHING}-step mean); dotted: held-out, greedy")
         ax.set_ylim(0, 1)
         ax.legend(fontsize=8, loc="lower right")
-        settings = results["settings"]
-        gpus = results["machine"]["gpus"]
         ax.set_title(
-            f"{results['task']['name']}, {settings['shape']}, {len(gpus)}x {gpus[0] if gpus else 'CPU'},"
-            f" {settings['placement']}: mean and range over seeds",
-            fontsize=9,
+            f"{_run_label(results)}, {results['settings']['placement']}: mean and range over seeds", fontsize=9
         )
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -303,12 +299,13 @@ def plot_signals(results: dict, path: str) -> None:
     for ax in axes[1]:
         ax.set_xlabel("PPO step")
     axes[0][0].legend(fontsize=8)
-    gpus = results["machine"]["gpus"]
-    fig.suptitle(
-        f"{results['task']['name']}, {results['settings']['shape']}, {len(gpus)}x {gpus[0] if gpus else 'CPU'}: "
-        "what the policy does, mean and range over seeds",
-        fontsize=9,
-    )
+    fig.suptitle(f"{_run_label(results)}: what the policy does, mean and range over seeds", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _run_label(results: dict) -> str:
+    """The task, the model's shape and the GPUs, as the plots' titles name a run."""
+    gpus = results["machine"]["gpus"]
+    return f"{results['task']['name']}, {results['settings']['shape']}, {len(gpus)}x {gpus[0] if gpus else 'CPU'}"
