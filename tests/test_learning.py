@@ -51,7 +51,28 @@ def test_openrlhf_loads_the_rule_reward_by_path_and_it_scores_the_decoded_respon
     queries = [tokenizer.decode(tokenizer.encode(prompt) + ids, skip_special_tokens=False) for ids in responses]
     out = executor.reward_func(queries, [prompt] * len(queries), ["6788"] * len(queries))
     assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert out["extra_logs"]["accuracy"].tolist() == out["rewards"].tolist()
     assert out["extra_logs"]["first_token_end"].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+
+    # Steps credit: the share of the 4 steps and the answer in their place, for a finished response only. The
+    # accuracy logged beside it is still the share of right answers.
+    steps = executor.reward_func(queries, [prompt] * len(queries), ["steps:6788"] * len(queries))
+    assert steps["rewards"].tolist() == pytest.approx([1.0, 0.8, 0.0, 0.8, 0.8, 0.0, 0.0])
+    assert steps["extra_logs"]["accuracy"].tolist() == out["rewards"].tolist()
+
+
+def test_steps_credit_grows_with_the_steps_right_in_their_place():
+    prompt, right = addition.prompt(5821, 967), addition.solution(5821, 967)
+    chain = right.split(";")[0].split(",")
+    # The first k steps right, then the end: k of the 5 (4 steps and the answer).
+    for k in range(len(chain) + 1):
+        assert addition.step_credit(prompt, ",".join(chain[:k]) + addition.EOS) == k / 5
+    # A step out of its place does not count, nor does a later step after a missing one.
+    assert addition.step_credit(prompt, ",".join(chain[1:]) + ";6788" + addition.EOS) == 1 / 5
+    with pytest.raises(ValueError, match="not a prompt of the addition task"):
+        addition.step_credit("5821 + 967 =", right + addition.EOS)
+    with pytest.raises(ValueError, match="credit 'digits'"):
+        addition.label(1, 2, "digits")
 
 
 def test_warm_up_is_cached_with_its_settings(tmp_path):
@@ -131,6 +152,13 @@ def test_convergence_table_times_the_target_and_checks_the_band(tmp_path):
     assert (tmp_path / "table.md").read_text() == report.table(results)
     for plot in ("accuracy-by-step.png", "accuracy-by-time.png", "signals-by-step.png"):
         assert (tmp_path / plot).stat().st_size > 0
+
+
+def test_accuracy_is_the_share_of_right_answers_whatever_the_reward():
+    steps = [{"accuracy": 0.25, "rollout/reward_mean": 0.6}, {"accuracy": 0.5, "rollout/reward_mean": 0.7}]
+    assert learning_report.accuracy(steps) == [0.25, 0.375]
+    # Runs from before the reward logged it: their reward was 1 for a right answer.
+    assert learning_report.accuracy([{"rollout/reward_mean": 0.5}]) == [0.5]
 
 
 def test_the_band_is_the_baseline_seeds_range_step_by_step():

@@ -18,6 +18,7 @@ from openrlhf_oppo.testing.cpu_bench import CPURunner
 pytestmark = pytest.mark.engine
 
 BATCH, N_SAMPLES, STEPS = 4, 2, 2
+WORKLOAD = ("prompts.jsonl", "heldout.jsonl")
 WARMUP = dict(batch=64, lr=3e-3, eval_every=50, heldout=64, dtype="float32")
 
 
@@ -54,6 +55,11 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
         assert len(steps) == STEPS + 2
         assert sum(s["rollout/num_samples"] for s in steps) == (STEPS + 2) * BATCH * N_SAMPLES
         assert all(0 <= s["rollout/reward_mean"] <= 1 for s in steps)
+    # The training prompts give credit for each step of the chain (the default --credit), the held-out ones for
+    # the answer alone, since OpenRLHF's pass@1 on them is their mean reward.
+    labels = {name: [json.loads(line)["answer"] for line in open(out / "workload" / name)] for name in WORKLOAD}
+    assert all(label.startswith("steps:") for label in labels["prompts.jsonl"])
+    assert all(label.isdigit() for label in labels["heldout.jsonl"])
     # Some sampled responses of the warmed-up model are right and scored so (the rule reads the end of text that
     # vLLM's response ends with); with the engine's seed the same ones every time.
     assert max(s["rollout/reward_mean"] for r in results["systems"].values() for s in r["steps"]) > 0

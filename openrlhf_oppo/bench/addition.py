@@ -7,8 +7,12 @@ one ``a+b+carry=sum`` step of 8 characters each, then gives the answer after ``;
 
 Why this task:
 
-* The answer is checked exactly (``reward_func``: 1 for the right sum followed by the end of the text, else 0),
-  so the rollout's mean reward is the share of correct answers.
+* The answer is checked exactly, and so is every step of the chain. The reward (``reward_func``) is either the
+  share of the chain's steps and the answer that are right (``steps`` credit, the learning benchmark's
+  default), or 1 for the right sum and 0 otherwise (``answer`` credit); the prompt's label says which. Either
+  way the share of right answers is logged as ``accuracy``. With answer credit, a group of samples that are
+  all right or all wrong (most short and most long sums) has no advantage to learn from; with steps credit
+  the samples of a long sum still differ in how many steps they get right.
 * The response grows with the number of digits (9 tokens a digit with the byte-level benchmark tokenizer), and
   the digit counts are drawn from a lognormal: most sums are short, a few are long (mean about 6 digits and
   60 tokens, half of them 41 tokens or fewer, up to 40 digits and 400 tokens; the longest of a step's 32
@@ -26,9 +30,11 @@ calls ``reward_func``, so it imports nothing of this package.
 import json
 import math
 import random
+import re
 from typing import List, Optional
 
 EOS = "<|endoftext|>"  # the benchmark tokenizer's end of text (``tiny.make_tokenizer``)
+CREDITS = ("steps", "answer")  # what the reward gives credit for (``score``)
 # Digits of the longer number: lognormal with this mean and sigma (of the underlying normal), clipped.
 DIGITS = dict(mean=6.0, sigma=1.0, low=1, high=40)
 
@@ -68,6 +74,21 @@ def solution(a: int, b: int) -> str:
     return ",".join(steps) + f";{a + b}"
 
 
+def operands(prompt: str) -> tuple:
+    """``(a, b)`` of a prompt ``a+b=``."""
+    match = re.fullmatch(r"(\d+)\+(\d+)=", prompt)
+    if match is None:
+        raise ValueError(f"not a prompt of the addition task: {prompt!r}")
+    return int(match[1]), int(match[2])
+
+
+def label(a: int, b: int, credit: str) -> str:
+    """The prompt's label: the sum, after ``steps:`` where the reward gives credit for each step of the chain."""
+    if credit not in CREDITS:
+        raise ValueError(f"credit {credit!r} is not one of {CREDITS}")
+    return f"steps:{a + b}" if credit == "steps" else str(a + b)
+
+
 def answer(response: str) -> Optional[str]:
     """The answer a response gives: what follows its last ``;``, if the response ended (at the end of text)."""
     if not response.endswith(EOS) or ";" not in response:
@@ -75,28 +96,51 @@ def answer(response: str) -> Optional[str]:
     return response[: -len(EOS)].rsplit(";", 1)[1]
 
 
-def reward_func(queries, prompts, labels):
-    """OpenRLHF's rule reward: 1 for the right sum, given at the end of a finished response, else 0.
+def step_credit(prompt: str, response: str) -> float:
+    """The share of the right response's steps that ``response`` has right in their place, its answer counting as
+    one step more: 1 for the right response, 0 for one that did not end (cut off at the length limit)."""
+    if not response.endswith(EOS):
+        return 0.0
+    chain, total = solution(*operands(prompt)).rsplit(";", 1)
+    given = response[: -len(EOS)].rsplit(";", 1)[0].split(",")
+    right = sum(x == y for x, y in zip(given, chain.split(","))) + (answer(response) == total)
+    return right / (chain.count(",") + 2)
 
-    Logged beside it (``extra_logs``, a step's mean): ``first_token_end``, the share of responses that are the end
-    of text alone. Only a run sampled with ``--rollout.min_new_tokens 0`` can have them; where the policy moves
-    probability there, this is where it shows (``learning.first_token_flags``)."""
+
+def score(prompt: str, response: str, label: str) -> float:
+    """The reward of one response: ``step_credit`` for a ``steps:`` label, else 1 for the right sum, 0 otherwise."""
+    credit, _, total = label.rpartition(":")
+    if credit == "steps":
+        return step_credit(prompt, response)
+    return float(answer(response) == total)
+
+
+def reward_func(queries, prompts, labels):
+    """OpenRLHF's rule reward (``score``), given at the end of each response.
+
+    Logged beside it (``extra_logs``, a step's mean): ``accuracy``, the share of right answers whichever the
+    credit, and ``first_token_end``, the share of responses that are the end of text alone. Only a run sampled
+    with ``--rollout.min_new_tokens 0`` can have the latter; where the policy moves probability there, this is
+    where it shows (``learning.first_token_flags``)."""
     import torch
 
     responses = [query[len(prompt) :] for query, prompt in zip(queries, prompts)]
-    rewards = torch.tensor([float(answer(response) == label) for response, label in zip(responses, labels)])
+    rewards = torch.tensor([score(*args) for args in zip(prompts, responses, labels)])
+    sums = [tag.rpartition(":")[2] for tag in labels]
+    right = torch.tensor([float(answer(response) == total) for response, total in zip(responses, sums)])
     ended_at_once = torch.tensor([float(response == EOS) for response in responses])
-    return {"rewards": rewards, "scores": rewards, "extra_logs": {"first_token_end": ended_at_once}}
+    return {"rewards": rewards, "scores": rewards, "extra_logs": {"accuracy": right, "first_token_end": ended_at_once}}
 
 
-def write_prompts(path: str, count: int, seed: int, **digits) -> dict:
-    """A JSONL prompt set (``input``: the prompt, ``answer``: the sum) and what its responses' lengths will be."""
+def write_prompts(path: str, count: int, seed: int, credit: str = "answer", **digits) -> dict:
+    """A JSONL prompt set (``input``: the prompt, ``answer``: its ``label``) and what its responses' lengths will
+    be."""
     lengths = []
     with open(path, "w") as f:
         for a, b in problems(count, seed, **digits):
-            f.write(json.dumps({"input": prompt(a, b), "answer": str(a + b)}) + "\n")
+            f.write(json.dumps({"input": prompt(a, b), "answer": label(a, b, credit)}) + "\n")
             lengths.append(len(solution(a, b)) + 1)  # tokens of the right response, its end of text included
-    return dict(prompts=count, seed=seed, digits=dict(DIGITS, **digits), **length_summary(lengths))
+    return dict(prompts=count, seed=seed, credit=credit, digits=dict(DIGITS, **digits), **length_summary(lengths))
 
 
 def length_summary(lengths: List[int]) -> dict:

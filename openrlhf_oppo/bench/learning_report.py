@@ -1,7 +1,8 @@
 """The learning benchmark's table and plots, from its ``results.json`` (``learning.py``).
 
-Accuracy is the step's mean reward (``rollout/reward_mean``: the task's reward is 1 for a right answer, 0
-otherwise), over the step's sampled responses. Curves are smoothed with a 3-step moving mean, the same in the
+Accuracy is the share of right answers among a step's sampled responses (``accuracy``, which the task's reward
+logs; in runs from before it did, the mean reward ``rollout/reward_mean``, which was 1 for a right answer and 0
+otherwise). Curves are smoothed with a 3-step moving mean, the same in the
 table and the plots. A seed reaches the target at the first step whose smoothed accuracy is at or above it;
 its minutes count from the start of its first step (the start-up of Ray, vLLM and the models is left out).
 Upstream sync's seed band is, at each step, the lowest to the highest of its seeds' smoothed accuracies.
@@ -16,6 +17,8 @@ import statistics
 
 SMOOTHING = 3  # steps in the moving mean
 BASELINE = "upstream-sync"
+# What the task's reward gave credit for (``addition.score``); runs from before the choice gave it for the answer.
+CREDITS = dict(steps="the share of the chain's steps and the answer that are right", answer="1 for the right sum")
 HELDOUT = "eval/eval_default_pass1"  # OpenRLHF's pass@1 on an eval set without a datasource column
 
 
@@ -31,7 +34,7 @@ def runs_by_system(results: dict) -> dict:
 
 def accuracy(steps: list) -> list:
     """The smoothed accuracy at each step."""
-    raw = [s.get("rollout/reward_mean", float("nan")) for s in steps]
+    raw = [s.get("accuracy", s.get("rollout/reward_mean", float("nan"))) for s in steps]
     return [statistics.mean(raw[max(0, i - SMOOTHING + 1) : i + 1]) for i in range(len(raw))]
 
 
@@ -102,7 +105,9 @@ def table(results: dict) -> str:
         + (" (the runs started from warm-ups trained separately)" if len(starts) > 1 else "")
         + f". Prompts: digits up to {prompts['digits']['high']}"
         f" (lognormal, mean {prompts['digits']['mean']:g}); right responses mean {prompts['mean_length']:.0f}"
-        f" tokens, p90 {prompts['p90_length']}, max {prompts['max_length']}.",
+        f" tokens, p90 {prompts['p90_length']}, max {prompts['max_length']}. Reward: "
+        + CREDITS[prompts.get("credit", "answer")]
+        + ".",
         "",
         f"Accuracy of the sampled responses ({SMOOTHING}-step moving mean; start and end: the mean of the first and"
         f" of the last {SMOOTHING} steps), means over the seeds (lowest-highest); target {target:.0%}.",
