@@ -260,6 +260,8 @@ def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
 
 # What the policy does besides its accuracy, per step: (logged key, axis label, log scale).
 SIGNALS = (
+    ("rollout/reward_mean", "mean reward (what the policy\nlearns from; --credit)", False),
+    ("group_reward_std", "reward's spread within a prompt's\nsamples (group_norm's signal)", False),
     ("response_length", "response length (tokens)", False),
     ("kl", "KL to the reference model\n(absolute value)", True),
     ("vllm_kl", "vllm_kl, absolute value (vLLM's\nlog-prob minus the policy's)", True),
@@ -268,9 +270,10 @@ SIGNALS = (
 
 
 def plot_signals(results: dict, path: str) -> None:
-    """Response length, KL to the reference, vLLM's log-probs against the policy's, and the responses that end at
-    their first token, per step: a policy drifting away from the task shows here before its accuracy falls. Per
-    system the mean over the seeds, with a band from the lowest to the highest."""
+    """The reward and its spread within each prompt's samples (what group_norm learns from), response length, KL
+    to the reference, vLLM's log-probs against the policy's, and the responses that end at their first token,
+    per step: a policy drifting away from the task shows here before its accuracy falls. Per system the mean over
+    the seeds, with a band from the lowest to the highest."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,7 +281,7 @@ def plot_signals(results: dict, path: str) -> None:
     import numpy as np
 
     runs = {system: seeds for system, seeds in runs_by_system(results).items() if seeds}
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+    fig, axes = plt.subplots(2, 3, figsize=(14, 6), sharex=True)
     for ax, (key, label, log) in zip(axes.flat, SIGNALS):
         plotted = False
         for system, seeds in runs.items():
