@@ -247,6 +247,8 @@ def test_the_announced_next_batch_is_the_one_the_next_step_takes(pipeline, workl
     while (announced := generator.next_batch_streams()) is None and time.time() < deadline:
         time.sleep(0.05)
     assert ray.wait([long_group.ref], timeout=0)[1]  # still decoding when the next batch was named
+    # Named again (the engines' scoring after the critic's catch-up): the same streams, read from Ray once.
+    assert [info.uid for info in generator.next_batch_streams()] == [info.uid for info in announced]
     named = [g for g in generator.groups if g.announced]
     assert min(g.deferrals for g in named) < long_group.deferrals  # the long group would come before one
     ray.wait([long_group.ref], timeout=120)  # and it is done before the next step starts

@@ -43,6 +43,7 @@ class PromptGroup:
     ref: Optional[ray.ObjectRef] = None
     experiences: Optional[list] = None  # set when all its samples are done
     announced: bool = False  # in the next batch that ``next_batch_streams`` named: the next step takes it
+    streams: Optional[list] = None  # its sequences' streams, read once from its responses (``_streams``)
 
 
 class OvercommitSamplesGenerator(OPPOSamplesGenerator):
@@ -248,11 +249,18 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         streams = []
         for group in self._in_take_order(done)[:batch]:
             group.announced = True
-            if group.experiences is not None:
-                streams += [e.stream for e in group.experiences if getattr(e, "stream", None)]
-            else:  # done, not collected yet: its responses are in Ray's object store
-                streams += [r["stream_info"] for r in ray.get(group.ref) if r.get("stream_info")]
+            streams += self._streams(group)
         return streams
+
+    @staticmethod
+    def _streams(group: PromptGroup) -> List[StreamInfo]:
+        """A done group's streams: from its experiences once collected, else from its responses in Ray's object
+        store, read once (the trainer names the next batch twice a step: the critic's catch-up, the engines')."""
+        if group.experiences is not None:
+            return [e.stream for e in group.experiences if getattr(e, "stream", None)]
+        if group.streams is None:
+            group.streams = [r["stream_info"] for r in ray.get(group.ref) if r.get("stream_info")]
+        return group.streams
 
     # -- checkpoints --------------------------------------------------------------------------------
 
