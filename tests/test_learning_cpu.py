@@ -30,7 +30,7 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
             "--gpus", "2", "--placement", "split", "--shape", "tiny",
             "--batch", str(BATCH), "--n_samples", str(N_SAMPLES), "--steps", str(STEPS), "--overcommit", "1",
             "--warmup_target", "0.2", "--warmup_max_steps", "600", "--digits_mean", "1.5", "--digits_high", "2",
-            "--target", "0.05", "--eval_every", "4", "--out", str(out),
+            "--target", "0.05", "--eval_every", "4", "--credit", "steps", "--out", str(out),
         ]
     )  # fmt: skip
     runner, threads = CPURunner(), torch.get_num_threads()
@@ -55,8 +55,8 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
         assert len(steps) == STEPS + 2
         assert sum(s["rollout/num_samples"] for s in steps) == (STEPS + 2) * BATCH * N_SAMPLES
         assert all(0 <= s["rollout/reward_mean"] <= 1 for s in steps)
-    # The training prompts give credit for each step of the chain (the default --credit), the held-out ones for
-    # the answer alone, since OpenRLHF's pass@1 on them is their mean reward.
+    # The training prompts give credit for each step of the chain (--credit steps), the held-out ones for the
+    # answer alone, since OpenRLHF's pass@1 on them is their mean reward.
     labels = {name: [json.loads(line)["answer"] for line in open(out / "workload" / name)] for name in WORKLOAD}
     assert all(label.startswith("steps:") for label in labels["prompts.jsonl"])
     assert all(label.isdigit() for label in labels["heldout.jsonl"])

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The learning benchmark (docs/benchmark.md): the small model (about 22M parameters) learns multi-digit addition
 # with a chain of carries, first supervised until 30% of held-out sums come out right, then with PPO and the
-# task's rule reward (credit for each step of the chain), for upstream sync, upstream async + partial rollout,
+# task's rule reward (1 for a right answer), for upstream sync, upstream async + partial rollout,
 # and OPPO with both halves (carried KV recomputed, and kept), 3 seeds each, every system on OpenRLHF with
 # patches/openrlhf applied. 2 GPUs, split placement (vLLM on one, the models on the other). No downloads.
 # The warm-up is cached in WORKDIR; runs go one after the other and results.json is written after each. To run

@@ -8,11 +8,11 @@ one ``a+b+carry=sum`` step of 8 characters each, then gives the answer after ``;
 Why this task:
 
 * The answer is checked exactly, and so is every step of the chain. The reward (``reward_func``) is either the
-  share of the chain's steps and the answer that are right (``steps`` credit, the learning benchmark's
-  default), or 1 for the right sum and 0 otherwise (``answer`` credit); the prompt's label says which. Either
-  way the share of right answers is logged as ``accuracy``. With answer credit, a group of samples that are
-  all right or all wrong (most short and most long sums) has no advantage to learn from; with steps credit
-  the samples of a long sum still differ in how many steps they get right.
+  share of the chain's steps and the answer that are right (``steps`` credit), or 1 for the right sum and 0
+  otherwise (``answer`` credit, the learning benchmark's default); the prompt's label says which. Either way
+  the share of right answers is logged as ``accuracy``. With answer credit, a group of samples that are all
+  right or all wrong (most short and most long sums) has no advantage to learn from; with steps credit the
+  samples of a long sum still differ in how many steps they get right.
 * The response grows with the number of digits (9 tokens a digit with the byte-level benchmark tokenizer), and
   the digit counts are drawn from a lognormal: most sums are short, a few are long (mean about 6 digits and
   60 tokens, half of them 41 tokens or fewer, up to 40 digits and 400 tokens; the longest of a step's 32
