@@ -60,8 +60,8 @@ def parse(argv=None):
         "the answer) that are right. Steps credit learned no faster in a CPU check (docs/RESULTS.md). The held-out "
         "evaluation always scores the answer",
     )
-    # Held at 5e-5, no system learned in four GPU runs, and the KL to the reference passed 0.1; runs whose rate fell
-    # (cosine, from 3e-5 or 5e-5) learned (docs/RESULTS.md, Convergence).
+    # Held at 5e-5, no system rose by more than 7 points in four GPU runs, and the KL to the reference passed 0.1;
+    # where the rate fell (cosine, from 3e-5 or 5e-5) upstream sync and OPPO learned (docs/RESULTS.md).
     parser.add_argument("--lr", type=float, default=2e-5, help="the policy's learning rate in PPO")
     parser.add_argument(
         "--lr_scheduler",
