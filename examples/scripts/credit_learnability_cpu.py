@@ -91,8 +91,8 @@ def train(actor_dir, credit, seed, args, heldout):
         longest = max(len(addition.solution(a, b)) for a, b in pairs)
         prompts, responses, texts = sample(model, tokenizer, pairs, args.n_samples, 2 * longest + 2)
         labels = [addition.label(a, b, credit) for a, b in pairs for _ in range(args.n_samples)]
-        rewards = torch.tensor([addition.score(p, t, label) for p, t, label in zip(prompts, texts, labels)])
-        right = [addition.answer(t) == label.rpartition(":")[2] for t, label in zip(texts, labels)]
+        scored = addition.reward_func([p + t for p, t in zip(prompts, texts)], prompts, labels)  # as OpenRLHF calls it
+        rewards, right = scored["rewards"], scored["extra_logs"]["accuracy"].tolist()
         spread = rewards.view(-1, args.n_samples).std(1)
         model.train()
         loss = policy_loss(model, tokenizer, prompts, responses, group_norm(rewards, args.n_samples))
