@@ -55,6 +55,9 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
         assert len(steps) == STEPS + 2
         assert sum(s["rollout/num_samples"] for s in steps) == (STEPS + 2) * BATCH * N_SAMPLES
         assert all(0 <= s["rollout/reward_mean"] <= 1 for s in steps)
+        # The reward's extra logs reach the step's log through the policy's training status, as on GPU: the
+        # table's accuracy is the share of right answers, not the steps credit's mean reward.
+        assert all(0 <= s["accuracy"] <= 1 and 0 <= s["first_token_end"] <= 1 for s in steps)
     # The training prompts give credit for each step of the chain (--credit steps), the held-out ones for the
     # answer alone, since OpenRLHF's pass@1 on them is their mean reward.
     labels = {name: [json.loads(line)["answer"] for line in open(out / "workload" / name)] for name in WORKLOAD}

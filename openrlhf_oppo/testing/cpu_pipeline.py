@@ -96,16 +96,32 @@ class CPUReferenceModelActor(_CPUModel, actors.StreamingReferenceModelActor):
 class _CPUTrainer:
     """Stand-in for the PPO trainer that upstream's ``fit`` calls (``self.trainer.ppo_train``): a forward and
     backward through every weight (their squared sum), whose gradients are dropped, so the weights stay as
-    they were."""
+    they were. The policy's reports its experiences' ``info`` as upstream's does (the reward's extra logs, such
+    as the learning task's ``accuracy``, reach the step's log that way); the critic's reports nothing."""
 
-    def __init__(self, model):
+    def __init__(self, model, reports_info: bool):
         self.model = model
+        self.reports_info = reports_info
         self.replay_buffer = []  # upstream's fit clears it
 
     def ppo_train(self, *args):
         sum(p.float().pow(2).sum() for p in self.model.parameters()).backward()
         self.model.zero_grad(set_to_none=True)
-        return {}
+        return info_means(self.replay_buffer) if self.reports_info else {}
+
+
+def info_means(experiences: list) -> dict:
+    """Each of the experiences' ``info`` entries averaged over their samples, as upstream's ``ppo_train`` logs
+    those of its micro-batches (weighted by their samples; a scalar counts once per experience)."""
+    totals, counts = {}, {}
+    for experience in experiences:
+        for key, value in experience.info.items():
+            if not isinstance(value, (torch.Tensor, list)):
+                continue
+            value = torch.as_tensor(value, dtype=torch.float).flatten()
+            totals[key] = totals.get(key, 0.0) + value.sum().item()
+            counts[key] = counts.get(key, 0) + value.numel()
+    return {key: totals[key] / counts[key] for key in totals if counts[key]}
 
 
 class _CPUTraining:
@@ -116,12 +132,14 @@ class _CPUTraining:
     ``--oppo.profile_step``), around ``_CPUTrainer``. Checkpoints keep only the trainer's client states.
     """
 
+    reports_info = False  # the policy's training logs its experiences' info, the critic's does not
+
     @functools.cached_property
     def trainer(self):
-        return _CPUTrainer(self.oppo_model())
+        return _CPUTrainer(self.oppo_model(), self.reports_info)
 
     def append(self, experience):
-        pass
+        self.trainer.replay_buffer.append(experience)
 
     def broadcast_to_vllm(self):
         pass
@@ -156,6 +174,8 @@ class CPUCriticModelActor(_CPUModel, _CPUTraining, actors.StreamingCriticModelAc
 
 
 class CPUPolicyModelActor(_CPUModel, _CPUTraining, actors.StreamingPolicyModelActor):
+    reports_info = True
+
     def load(self, args, path):
         self.actor = _causal_model(args, path)
 
