@@ -4,7 +4,8 @@ say (prompt order seeded, tokenizer sent once, advantages equal bit for bit, a c
 last step resumes in the next episode, the critic's training awaited first with a hook after it, the
 sleep-mode branch a method, CPU Adam on the host's cores, awake colocated engines up before the models load,
 ppo_train's metrics read to the host once per fit, the rollouts' min_tokens a flag;
-the bucketed weight sync of 0007 runs against a real engine in test_weight_sync.py)."""
+the bucketed weight sync of 0007 runs against a real engine in test_weight_sync.py, and 0016's evaluation in
+one dispatch in test_streaming_pipeline.py)."""
 
 import json
 import os
@@ -56,6 +57,7 @@ def test_there_are_patches():
         "0013",
         "0014",
         "0015",
+        "0016",
     ]
 
 

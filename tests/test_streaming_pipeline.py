@@ -246,6 +246,42 @@ def test_evaluation_samples_are_not_streamed(pipeline, connected, workload):
     assert all(stats.waiting == 0 for stats in scorer_stats(pipeline).values())
 
 
+def test_patched_evaluation_sends_the_eval_set_in_one_dispatch(pipeline, workload, monkeypatch, tmp_path):
+    """Patch 0016: upstream's ``generate_eval_samples`` sends ``--rollout.batch_size`` prompts at a time, each
+    batch once the last one has ended; patched, the whole eval set goes to the engine at once. Both evaluate
+    every prompt once, with the real engine."""
+    import importlib.util
+
+    from openrlhf_oppo.bench.patched_upstream import make_patched_copy
+
+    root = make_patched_copy(str(tmp_path / "patched"))
+    spec = importlib.util.spec_from_file_location(
+        "patched_samples_generator", f"{root}/openrlhf/trainer/ppo_utils/samples_generator.py"
+    )
+    patched = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patched)
+
+    monkeypatch.setattr(pipeline.args.rollout, "batch_size", 2)
+    path = workload([5, 9, 3, 7, 4], seed=23)
+    eval_loader = prompt_dataloader(path, pipeline.args, pipeline.tokenizer)
+    generator = pipeline.samples_generator(None, "upstream", eval_dataloader=eval_loader)
+    dispatched, dispatch = [], generator._dispatch_prompts_to_vllm
+
+    def counting_dispatch(prompts, *args, **kwargs):
+        dispatched.append(len(prompts))
+        return dispatch(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(generator, "_dispatch_prompts_to_vllm", counting_dispatch)
+    kwargs = dict(pipeline.generate_kwargs(), temperature=0.0, n_samples_per_prompt=1)
+    evaluated = {}
+    for name, cls in (("upstream", type(generator)), ("patched", patched.SamplesGenerator)):
+        dispatched.clear()
+        evaluated[name] = (cls.generate_eval_samples(generator, **kwargs), list(dispatched))
+    assert evaluated["upstream"][1] == [2, 2, 1] and evaluated["patched"][1] == [5]
+    labels = [sorted(int(s.labels[0]) for s in samples) for samples, _ in evaluated.values()]
+    assert labels == [[3, 4, 5, 7, 9]] * 2
+
+
 def test_training_holds_only_the_roles_on_the_training_gpus(pipeline, workload, monkeypatch):
     """With the frozen models beside vLLM, their chunks keep flowing while training holds the critic's and the
     policy's; the held chunks go out with the batch's flush, and the experiences are upstream's."""
