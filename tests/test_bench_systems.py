@@ -15,6 +15,7 @@ from openrlhf_oppo.bench.systems import (
     AWAKE,
     COLOCATED_ONLY,
     INTER_ONLY,
+    KEEP_KV,
     SPLIT_ONLY,
     SYSTEMS,
     common_flags,
@@ -52,7 +53,7 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
         # The frozen models go beside vLLM wherever they stream in the split placement.
         beside_vllm = placement == "split" and system not in ("oppo-inter", "oppo-both-frozen-with-models")
         assert args.oppo.frozen_scorers_on == ("generation" if beside_vllm else "models")
-        assert args.oppo.carry_kv == ("keep" if system == "oppo-both-keep" else "recompute")
+        assert args.oppo.carry_kv == ("keep" if system in KEEP_KV else "recompute")
     if placement == "split":
         assert args.vllm.num_engines == gpus // 2 and args.actor.num_gpus_per_node == gpus // 2
 
@@ -163,7 +164,7 @@ def test_learning_benchmark_run_is_a_valid_command(system, monkeypatch):
     assert args.actor.lr_scheduler == "constant_with_warmup"
     if system.startswith("oppo"):
         assert args.oppo.streamed_roles == ["policy", "reference"]  # no reward model, no critic
-        assert args.oppo.carry_kv == ("keep" if system == "oppo-both-keep" else "recompute")
+        assert args.oppo.carry_kv == ("keep" if system in KEEP_KV else "recompute")
 
 
 def test_learning_benchmarks_schedule_keeps_the_learning_rate_after_its_warm_up():

@@ -19,6 +19,8 @@ only: the colocated engines sleep, which drops it). ``oppo-both-awake`` (colocat
 awake through training (no ``--vllm.enable_sleep``), its carried requests and the next step's prompts decoding
 beside the models' training but not while they make the step's experiences (``--oppo.colocated_decode
 during_training --oppo.top_up step_end``; ``--oppo_extra`` with ``continue`` decodes beside both).
+``oppo-both-awake-keep`` is ``oppo-both-awake`` with ``--oppo.carry_kv keep``: awake engines keep the KV cache, so
+the requests in flight at the weight sync (the next step's, started during training) go on from it.
 ``oppo-inter-awake`` is the same without intra-step streaming: what streaming adds where the groups a step trains
 finished decoding during the previous training, when the models could not score their chunks. Every system gets
 the same vLLM memory share, small enough for the frozen models to fit beside the engines (the awake systems may
@@ -35,11 +37,14 @@ SYSTEMS = (
     "oppo-both-frozen-with-models",
     "oppo-both-keep",
     "oppo-both-awake",
+    "oppo-both-awake-keep",
     "oppo-inter-awake",
 )
 SPLIT_ONLY = ("upstream-async", "oppo-both-early", "oppo-both-frozen-with-models", "oppo-both-keep")
 # vLLM awake through training (colocated), its requests decoding beside the models' training.
-AWAKE = ("oppo-both-awake", "oppo-inter-awake")
+AWAKE = ("oppo-both-awake", "oppo-both-awake-keep", "oppo-inter-awake")
+# Carried requests keep the KV cache of the weights that decoded them (--oppo.carry_kv keep).
+KEEP_KV = ("oppo-both-keep", "oppo-both-awake-keep")
 DECODE_BESIDE_TRAINING = ["--oppo.colocated_decode", "during_training", "--oppo.top_up", "step_end"]
 COLOCATED_ONLY = AWAKE
 INTER_ONLY = ("oppo-inter", "oppo-inter-awake")  # no intra-step streaming
@@ -75,7 +80,7 @@ def system_flags(system: str, placement: str, overcommit: int, ds_sleep: bool = 
         flags += ["--oppo.top_up", "step_end"]
     if system == "oppo-both-frozen-with-models":
         flags += ["--oppo.frozen_scorers_on", "models"]
-    if system == "oppo-both-keep":
+    if system in KEEP_KV:
         flags += ["--oppo.carry_kv", "keep"]
     if system in AWAKE:
         flags += DECODE_BESIDE_TRAINING
