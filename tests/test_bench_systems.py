@@ -143,12 +143,16 @@ def test_oppo_extra_reaches_the_oppo_systems_only(monkeypatch):
     assert not set(oppo_extra[::2]) & set(upstream) and parse_args(upstream).train.micro_batch_size == 4
 
 
-@pytest.mark.parametrize("system", LEARNING_SYSTEMS)
-def test_learning_benchmark_run_is_a_valid_command(system, monkeypatch):
+@pytest.mark.parametrize(
+    "placement, system", [(placement, system) for placement, systems in LEARNING_SYSTEMS.items() for system in systems]
+)
+def test_learning_benchmark_run_is_a_valid_command(placement, system, monkeypatch):
     """Every run of the learning benchmark: the task's prompts and rule reward, responses ending where the model
     ends them, advantages from the group of samples (no critic), the system's own flags."""
     monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
-    options = learning.parse(["--task", "addition", "--out", "/o"])
+    gpus = "1" if placement == "colocated" else "2"
+    options = learning.parse(["--task", "addition", "--out", "/o", "--placement", placement, "--gpus", gpus])
+    assert system in options.systems.split(",")  # the placement's default systems
     flags = learning.run_flags("/w", "/o", f"{system}-seed1", system, 1, options)
     args = parse_args(flags)
     assert args.reward.remote_url == [addition.__file__] and args.data.label_key == "answer"
@@ -163,8 +167,22 @@ def test_learning_benchmark_run_is_a_valid_command(system, monkeypatch):
     assert not args.actor.gradient_checkpointing_enable  # the small model: recomputing would only slow training
     assert args.actor.lr_scheduler == "constant_with_warmup"
     if system.startswith("oppo"):
-        assert args.oppo.streamed_roles == ["policy", "reference"]  # no reward model, no critic
+        # No reward model, no critic; colocated, the policy's log-probs wait for the step (streaming auto).
+        assert args.oppo.streamed_roles == (["policy", "reference"] if placement == "split" else ["reference"])
         assert args.oppo.carry_kv == ("keep" if system in KEEP_KV else "recompute")
+
+
+@pytest.mark.parametrize(
+    "placement, system, message",
+    [
+        ("colocated", "upstream-async", "GPUs of its own"),
+        ("split", "oppo-both-awake-keep", "use --placement colocated"),
+    ],
+)
+def test_learning_benchmark_refuses_a_system_its_placement_cannot_run(placement, system, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        learning.parse(["--task", "addition", "--out", "/o", "--placement", placement, "--systems", system])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_learning_benchmarks_schedule_keeps_the_learning_rate_after_its_warm_up():

@@ -154,6 +154,45 @@ def test_convergence_table_times_the_target_and_checks_the_band(tmp_path):
         assert (tmp_path / plot).stat().st_size > 0
 
 
+def _rows(lines: list, header: str) -> dict:
+    start = lines.index(header)
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        rows[line.split("|")[1].strip()] = [cell.strip() for cell in line.split("|")[2:-1]]
+    return rows
+
+
+def test_short_of_the_target_systems_are_timed_to_upstream_syncs_end_accuracy():
+    """No seed of upstream sync reached the target: each system is timed to the accuracy every sync seed ended
+    at, the lowest of their last 3-step means. With one seed of sync there is no band to be in."""
+    plateau = [0.2, 0.2, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5]  # 3-step mean 0.5 from step 8
+    results = _results(
+        {
+            ("upstream-sync", 0): (plateau, 60),
+            ("oppo-both", 0): ([0.2, 0.2, 0.2, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], 30),  # 0.5 from step 6
+            ("oppo-both-keep", 0): ([0.2] * 10, 30),  # never there
+        }
+    )
+    lines = report.table(results).splitlines()
+    first = _rows(lines, next(line for line in lines if line.startswith("| system | seeds |")))
+    assert first["oppo-both"][-1] == "-" and first["upstream-sync"][5:8] == ["0/1", "-", "-"]
+    assert any(line.startswith("Time to upstream sync's end accuracy (50.0%, the lowest") for line in lines)
+    rows = _rows(lines, "| system | seeds there | step there | minutes there | minutes vs sync |")
+    # seeds there, step, minutes, vs sync
+    assert rows["upstream-sync"] == ["1/1", "8", "8.0", "1.00x"]
+    assert rows["oppo-both"] == ["1/1", "6", "3.0", "0.38x"]
+    assert rows["oppo-both-keep"] == ["0/1", "-", "-", "-"]
+
+
+def test_no_time_to_syncs_end_accuracy_where_sync_did_not_rise():
+    """Where upstream sync ended no higher than it started, its end accuracy was there from the first steps."""
+    falling = [0.5, 0.5, 0.5, 0.4, 0.3, 0.2, 0.2, 0.2, 0.2, 0.2]
+    results = _results({("upstream-sync", 0): (falling, 60), ("oppo-both", 0): (falling, 30)})
+    assert "Time to upstream sync's end accuracy" not in report.table(results)
+
+
 def test_accuracy_is_the_share_of_right_answers_whatever_the_reward():
     steps = [{"accuracy": 0.25, "rollout/reward_mean": 0.6}, {"accuracy": 0.5, "rollout/reward_mean": 0.7}]
     assert learning_report.accuracy(steps) == [0.25, 0.375]

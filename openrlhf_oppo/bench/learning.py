@@ -32,13 +32,22 @@ from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
 from openrlhf_oppo.bench.systems import SYSTEMS, cluster_flags, system_flags
 
 TASKS = ("addition",)
-LEARNING_SYSTEMS = ("upstream-sync", "upstream-async", "oppo-both", "oppo-both-keep")
+LEARNING_SYSTEMS = dict(
+    split=("upstream-sync", "upstream-async", "oppo-both", "oppo-both-keep"),
+    # Upstream's async trainer needs vLLM on GPUs of its own; sleeping engines drop the KV that keep would keep.
+    colocated=("upstream-sync", "oppo-both-awake", "oppo-both-awake-keep"),
+)
 
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=TASKS, required=True)
-    parser.add_argument("--systems", default=",".join(LEARNING_SYSTEMS), help=f"comma-separated, from {SYSTEMS}")
+    parser.add_argument(
+        "--systems",
+        default=None,
+        help=f"comma-separated, from {SYSTEMS} (default: {LEARNING_SYSTEMS['split']} split, "
+        f"{LEARNING_SYSTEMS['colocated']} colocated)",
+    )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated --train.seed values, one run each")
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--placement", choices=["split", "colocated"], default="split")
@@ -98,6 +107,12 @@ def parse(argv=None):
     samples = args.batch * args.n_samples
     if args.updates < 1 or samples % args.updates:
         parser.error(f"--updates {args.updates} must divide the {samples} samples of a step (--batch x --n_samples)")
+    args.systems = args.systems or ",".join(LEARNING_SYSTEMS[args.placement])
+    for system in args.systems.split(","):
+        try:
+            system_flags(system, args.placement, 1)
+        except ValueError as error:
+            parser.error(str(error))
     args.warmup = 0  # every PPO step counts (``run_system`` reads it)
     # Split: Delta equal to the batch, so that the next step's groups decode while this one trains (the speed runs'
     # setting). Colocated, the awake system starts the next step's prompts at the step's end, and the small model

@@ -5,7 +5,11 @@ logs; in runs from before it did, the mean reward ``rollout/reward_mean``, which
 otherwise). Curves are smoothed with a 3-step moving mean, the same in the
 table and the plots. A seed reaches the target at the first step whose smoothed accuracy is at or above it;
 its minutes count from the start of its first step (the start-up of Ray, vLLM and the models is left out).
-Upstream sync's seed band is, at each step, the lowest to the highest of its seeds' smoothed accuracies.
+Upstream sync's seed band is, at each step, the lowest to the highest of its seeds' smoothed accuracies (with
+one seed there is no band, and the table says nothing of it). Where upstream sync's seeds do not all reach the
+target but all end above where they all started, a third table times each system to the accuracy they all
+reached at the end (the lowest of their last smoothed accuracies): the minutes to one accuracy, compared all the
+same.
 That accuracy is over the samples each step trains, and OPPO trains each step's first groups to finish (the
 short sums first); runs with evaluations also get the held-out accuracy: greedy, on one set of sums for every
 system (OpenRLHF's ``--eval.*``), unsmoothed, with its own time to the target.
@@ -129,7 +133,7 @@ def table(results: dict) -> str:
         step_s = [statistics.mean(step_seconds(steps)) for steps in seeds.values()]
         own = _minutes_to_target(seeds, target)
         in_band = "-"
-        if system != BASELINE and runs.get(BASELINE):
+        if system != BASELINE and len(runs.get(BASELINE, {})) > 1:
             in_band = f"{share_in_band(curves, [accuracy(s) for s in runs[BASELINE].values()]):.0%}"
         lines.append(
             f"| {system} | {len(seeds)}{f' of {len(attempted)}' if len(attempted) > len(seeds) else ''}"
@@ -140,7 +144,40 @@ def table(results: dict) -> str:
         )
     if any(heldout(steps) for seeds in runs.values() for steps in seeds.values()):
         lines += ["", *heldout_table(results)]
+    if base_minutes is None and sync_rose(runs):
+        lines += ["", *sync_end_table(runs)]
     return "\n".join(lines) + "\n"
+
+
+def sync_rose(runs: dict) -> bool:
+    """Whether every seed of upstream sync ended above where every one started (else its end accuracy was there
+    from the first steps, and reaching it says nothing)."""
+    seeds = runs.get(BASELINE, {}).values()
+    return bool(seeds) and min(accuracy(s)[-1] for s in seeds) > max(accuracy(s[:SMOOTHING])[-1] for s in seeds)
+
+
+def sync_end_table(runs: dict) -> list:
+    """Per system, the step and minutes at which its seeds first reach the accuracy every seed of upstream sync
+    ended at (the lowest of their last smoothed accuracies), means over the seeds (lowest-highest)."""
+    level = min(accuracy(steps)[-1] for steps in runs[BASELINE].values())
+    base = _minutes_to_target(runs[BASELINE], level)
+    lines = [
+        f"Time to upstream sync's end accuracy ({level:.1%}, the lowest of its seeds' last {SMOOTHING}-step means;"
+        " the sampled responses' accuracy as above), means over the seeds (lowest-highest).",
+        "",
+        "| system | seeds there | step there | minutes there | minutes vs sync |",
+        "|---|---|---|---|---|",
+    ]
+    for system, seeds in runs.items():
+        if not seeds:
+            continue  # failed: the first table says so
+        hits = [(i, minutes(steps)[i]) for steps in seeds.values() if (i := reached(steps, level)) is not None]
+        own = _minutes_to_target(seeds, level)
+        lines.append(
+            f"| {system} | {len(hits)}/{len(seeds)} | {_spread([i + 1 for i, _ in hits], '.0f')}"
+            f" | {_spread([m for _, m in hits], '.1f')} | {f'{own / base:.2f}x' if own and base else '-'} |"
+        )
+    return lines
 
 
 def heldout_table(results: dict) -> list:
