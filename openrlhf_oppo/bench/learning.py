@@ -13,8 +13,9 @@
    Every ``--eval_every`` steps each run is evaluated greedily on the warm-up's held-out sums (``eval_flags``).
 3. ``results.json`` after each run, then ``table.md`` (accuracy at the start and end, its rise, the step and
    minutes at which the seeds reach ``--target``, whether the curve stays in upstream sync's seed band; the same
-   for the held-out accuracy) and the plots of accuracy against step and against wall-clock time, with a band
-   over the seeds (``learning_report.py``).
+   for the held-out accuracy; where upstream sync falls short of the target, the step and minutes at which each
+   system reaches sync's end accuracy) and the plots of accuracy against step and against wall-clock time, with
+   a band over the seeds (``learning_report.py``).
 
 The defaults are the GPU benchmark's; the CPU tests run the same function (``run``) scaled down, with a runner
 that drives OpenRLHF's trainer in-process on CPU stand-ins.
