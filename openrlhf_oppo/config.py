@@ -235,8 +235,8 @@ OPTIONS = {
             choices=["recompute", "keep"],
             help="What carried requests do at a weight update: 'recompute' re-prefills prompt and partial response "
             "with the new weights; 'keep' keeps the KV computed with the old weights (cheaper, more off-policy; "
-            "it learned as well on the learning benchmark, and with vLLM awake beside training its step was 0.85x "
-            "recompute's: docs/design.md).",
+            "the faster choice where vLLM stays awake beside training, which recompute re-prefills beside: "
+            "docs/design.md).",
         ),
         "recompute",
     ),
