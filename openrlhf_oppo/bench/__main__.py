@@ -32,7 +32,14 @@ from tqdm import tqdm
 from openrlhf_oppo.bench import learning, report
 from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus
 from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
-from openrlhf_oppo.bench.systems import COLOCATED_ONLY, SPLIT_ONLY, SYSTEMS, common_flags, system_flags
+from openrlhf_oppo.bench.systems import (
+    COLOCATED_ONLY,
+    SPLIT_ONLY,
+    SYSTEMS,
+    common_flags,
+    refuse_what_the_placement_cannot_run,
+    system_flags,
+)
 from openrlhf_oppo.bench.workload import add_workload_arguments, build, check_workload_arguments, length_params
 
 
@@ -104,11 +111,7 @@ def parse():
         args.overcommit = max(1, args.batch // 4)
     other_placement_only = SPLIT_ONLY if args.placement == "colocated" else COLOCATED_ONLY
     args.systems = args.systems or ",".join(s for s in SYSTEMS if s not in other_placement_only)
-    for system in args.systems.split(","):
-        try:  # before any system runs, not after the ones before it
-            system_flags(system, args.placement, 1)
-        except ValueError as error:
-            parser.error(str(error))
+    refuse_what_the_placement_cannot_run(parser, args.systems, args.placement)
     if args.placement == "split":
         if args.ds_sleep == "off":
             parser.error(

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from openrlhf_oppo import tiny
 from openrlhf_oppo.bench import addition, report, warmup
 from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
-from openrlhf_oppo.bench.systems import SYSTEMS, cluster_flags, system_flags
+from openrlhf_oppo.bench.systems import SYSTEMS, cluster_flags, refuse_what_the_placement_cannot_run, system_flags
 
 TASKS = ("addition",)
 LEARNING_SYSTEMS = dict(
@@ -109,11 +109,7 @@ def parse(argv=None):
     if args.updates < 1 or samples % args.updates:
         parser.error(f"--updates {args.updates} must divide the {samples} samples of a step (--batch x --n_samples)")
     args.systems = args.systems or ",".join(LEARNING_SYSTEMS[args.placement])
-    for system in args.systems.split(","):
-        try:
-            system_flags(system, args.placement, 1)
-        except ValueError as error:
-            parser.error(str(error))
+    refuse_what_the_placement_cannot_run(parser, args.systems, args.placement)
     args.warmup = 0  # every PPO step counts (``run_system`` reads it)
     # Split: Delta equal to the batch, so that the next step's groups decode while this one trains (the speed runs'
     # setting). Colocated, the awake system starts the next step's prompts at the step's end, and the small model
@@ -127,7 +123,7 @@ def parse(argv=None):
 def run(args, runner, header: dict, warmup_options=None) -> dict:
     """Warm up, then every system with every seed through ``runner(name, flags, args) -> result``.
 
-    ``header``: what results.json starts with (``__main__.header``). ``warmup_options``: ``warmup.warm_up``
+    ``args``: ``parse``'s, which refused the systems the placement cannot run. ``header``: what results.json starts with (``__main__.header``). ``warmup_options``: ``warmup.warm_up``
     settings besides the shape, target and digits (the CPU tests' smaller batch and evaluation). Returns the
     results, also written to ``OUT/results.json``.
     """
@@ -137,8 +133,6 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
     workdir = args.workdir or os.path.join(args.scratch, "workload")
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.scratch, exist_ok=True)
-    for system in systems:
-        system_flags(system, args.placement, args.overcommit)  # unknown systems and placements stop here
     if args.upstream_patches:
         patched = make_patched_copy(os.path.join(args.scratch, "openrlhf-patched"))
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (patched, os.environ.get("PYTHONPATH")) if p)

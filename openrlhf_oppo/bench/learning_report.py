@@ -129,37 +129,48 @@ def table(results: dict) -> str:
             continue
         curves = [accuracy(steps) for steps in seeds.values()]
         start, end = [accuracy(steps[:SMOOTHING])[-1] for steps in seeds.values()], [c[-1] for c in curves]
-        hits = [(i, minutes(steps)[i]) for steps in seeds.values() if (i := reached(steps, target)) is not None]
         step_s = [statistics.mean(step_seconds(steps)) for steps in seeds.values()]
-        own = _minutes_to_target(seeds, target)
         in_band = "-"
         if system != BASELINE and len(runs.get(BASELINE, {})) > 1:
             in_band = f"{share_in_band(curves, [accuracy(s) for s in runs[BASELINE].values()]):.0%}"
         lines.append(
             f"| {system} | {len(seeds)}{f' of {len(attempted)}' if len(attempted) > len(seeds) else ''}"
             f" | {_spread(step_s, '.2f')} | {_spread(start, '.1%')} | {_spread(end, '.1%')}"
-            f" | {statistics.mean(end) * 100 - statistics.mean(start) * 100:+.1f} | {len(hits)}/{len(seeds)}"
-            f" | {_spread([i + 1 for i, _ in hits], '.0f')} | {_spread([m for _, m in hits], '.1f')}"
-            f" | {f'{own / base_minutes:.2f}x' if own and base_minutes else '-'} | {in_band} |"
+            f" | {statistics.mean(end) * 100 - statistics.mean(start) * 100:+.1f}"
+            f" | {_time_to(seeds, target, base_minutes)} | {in_band} |"
         )
     if any(heldout(steps) for seeds in runs.values() for steps in seeds.values()):
         lines += ["", *heldout_table(results)]
-    if base_minutes is None and sync_rose(runs):
-        lines += ["", *sync_end_table(runs)]
+    level = sync_end_level(runs)
+    if base_minutes is None and level is not None:
+        lines += ["", *sync_end_table(runs, level)]
     return "\n".join(lines) + "\n"
 
 
-def sync_rose(runs: dict) -> bool:
-    """Whether every seed of upstream sync ended above where every one started (else its end accuracy was there
-    from the first steps, and reaching it says nothing)."""
+def _time_to(seeds: dict, level: float, base_minutes) -> str:
+    """The cells seeds at ``level``, step, minutes and minutes against upstream sync's ``base_minutes``."""
+    hits = [(i, minutes(steps)[i]) for steps in seeds.values() if (i := reached(steps, level)) is not None]
+    own = _minutes_to_target(seeds, level)
+    return (
+        f"{len(hits)}/{len(seeds)} | {_spread([i + 1 for i, _ in hits], '.0f')}"
+        f" | {_spread([m for _, m in hits], '.1f')} | {f'{own / base_minutes:.2f}x' if own and base_minutes else '-'}"
+    )
+
+
+def sync_end_level(runs: dict):
+    """The accuracy every seed of upstream sync ended at (the lowest of their last smoothed accuracies), or None
+    where it is not above where every seed started: then it was there from the first steps, and reaching it says
+    nothing."""
     seeds = runs.get(BASELINE, {}).values()
-    return bool(seeds) and min(accuracy(s)[-1] for s in seeds) > max(accuracy(s[:SMOOTHING])[-1] for s in seeds)
+    if not seeds:
+        return None
+    level = min(accuracy(s)[-1] for s in seeds)
+    return level if level > max(accuracy(s[:SMOOTHING])[-1] for s in seeds) else None
 
 
-def sync_end_table(runs: dict) -> list:
-    """Per system, the step and minutes at which its seeds first reach the accuracy every seed of upstream sync
-    ended at (the lowest of their last smoothed accuracies), means over the seeds (lowest-highest)."""
-    level = min(accuracy(steps)[-1] for steps in runs[BASELINE].values())
+def sync_end_table(runs: dict, level: float) -> list:
+    """Per system, the step and minutes at which its seeds first reach upstream sync's end accuracy ``level``
+    (``sync_end_level``), means over the seeds (lowest-highest)."""
     base = _minutes_to_target(runs[BASELINE], level)
     lines = [
         f"Time to upstream sync's end accuracy ({level:.1%}, the lowest of its seeds' last {SMOOTHING}-step means;"
@@ -169,14 +180,8 @@ def sync_end_table(runs: dict) -> list:
         "|---|---|---|---|---|",
     ]
     for system, seeds in runs.items():
-        if not seeds:
-            continue  # failed: the first table says so
-        hits = [(i, minutes(steps)[i]) for steps in seeds.values() if (i := reached(steps, level)) is not None]
-        own = _minutes_to_target(seeds, level)
-        lines.append(
-            f"| {system} | {len(hits)}/{len(seeds)} | {_spread([i + 1 for i, _ in hits], '.0f')}"
-            f" | {_spread([m for _, m in hits], '.1f')} | {f'{own / base:.2f}x' if own and base else '-'} |"
-        )
+        if seeds:  # a failed system: the first table says so
+            lines.append(f"| {system} | {_time_to(seeds, level, base)} |")
     return lines
 
 

@@ -87,6 +87,16 @@ def system_flags(system: str, placement: str, overcommit: int, ds_sleep: bool = 
     return flags
 
 
+def refuse_what_the_placement_cannot_run(parser, systems: str, placement: str) -> None:
+    """A parser error for the first of the comma-separated ``systems`` that ``placement`` cannot run (or that does
+    not exist): before any system runs, not after the ones before it."""
+    for system in systems.split(","):
+        try:
+            system_flags(system, placement, 1)
+        except ValueError as error:
+            parser.error(str(error))
+
+
 def common_flags(
     workdir: str,
     out: str,
