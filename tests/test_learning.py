@@ -61,6 +61,19 @@ def test_openrlhf_loads_the_rule_reward_by_path_and_it_scores_the_decoded_respon
     assert steps["extra_logs"]["accuracy"].tolist() == out["rewards"].tolist()
 
 
+def test_the_accuracy_is_logged_by_the_longer_numbers_digits():
+    # Sums whose longer number has 2, 5, 5 and 9 digits; the first, one of the 5-digit ones and the last right.
+    pairs = [(12, 3), (12345, 678), (99999, 1), (123456789, 5)]
+    prompts = [addition.prompt(a, b) for a, b in pairs]
+    responses = [addition.solution(a, b) + addition.EOS for a, b in pairs]
+    responses[2] = responses[2].replace(";100000", ";100001")
+    logs = addition.reward_func([p + r for p, r in zip(prompts, responses)], prompts, [str(a + b) for a, b in pairs])
+    logs = {key: value.tolist() for key, value in logs["extra_logs"].items()}
+    assert logs["share_digits_1_3"] == [1, 0, 0, 0] and logs["right_digits_1_3"] == [1, 0, 0, 0]
+    assert logs["share_digits_4_6"] == [0, 1, 1, 0] and logs["right_digits_4_6"] == [0, 1, 0, 0]
+    assert logs["share_digits_7_up"] == [0, 0, 0, 1] and logs["right_digits_7_up"] == [0, 0, 0, 1]
+
+
 def test_steps_credit_grows_with_the_steps_right_in_their_place():
     prompt, right = addition.prompt(5821, 967), addition.solution(5821, 967)
     chain = right.split(";")[0].split(",")
@@ -191,6 +204,27 @@ def test_no_time_to_syncs_end_accuracy_where_sync_did_not_rise():
     falling = [0.5, 0.5, 0.5, 0.4, 0.3, 0.2, 0.2, 0.2, 0.2, 0.2]
     results = _results({("upstream-sync", 0): (falling, 60), ("oppo-both", 0): (falling, 30)})
     assert "Time to upstream sync's end accuracy" not in report.table(results)
+
+
+def test_the_accuracy_by_digits_has_its_own_table():
+    """Each band's accuracy is its right samples over its samples in the window, so a system that trains more
+    short sums (OPPO trains each step's first groups to finish) is compared on equal sums."""
+    results = _results({("upstream-sync", 0): ([0.5] * 4, 60), ("oppo-both", 0): ([0.5] * 4, 30)})
+    short, middle, long = (addition.band_key(band, "share") for band in addition.DIGIT_BANDS)
+    for name, right_short in (("upstream-sync-seed0", [0.2, 0.2, 0.2, 0.4]), ("oppo-both-seed0", [0.3] * 4)):
+        for step, right in zip(results["systems"][name]["steps"], right_short):
+            # Sync: half of its samples short, 40% and then 80% of them right; OPPO: 60% short, half right.
+            step.update({short: 0.5 if name.startswith("upstream") else 0.6, middle: 0.4, long: 0.0})
+            step.update({short.replace("share", "right"): right, middle.replace("share", "right"): 0.1})
+    assert learning_report.band_accuracy(results["systems"]["upstream-sync-seed0"]["steps"], (1, 3)) == pytest.approx(
+        [0.4, 0.4, 0.4, (0.2 + 0.2 + 0.4) / 1.5]
+    )
+    lines = report.table(results).splitlines()
+    rows = _rows(lines, "| system | 1-3 digits | 4-6 digits | 7+ digits |")
+    assert rows["upstream-sync"] == ["40.0% → 53.3% (50%)", "25.0% → 25.0% (40%)", "- → - (0%)"]
+    assert rows["oppo-both"] == ["50.0% → 50.0% (60%)", "25.0% → 25.0% (40%)", "- → - (0%)"]
+    # Runs from before the reward logged the bands have no such table.
+    assert "1-3 digits" not in report.table(_results({("upstream-sync", 0): ([0.5] * 4, 60)}))
 
 
 def test_accuracy_is_the_share_of_right_answers_whatever_the_reward():

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from openrlhf_oppo.bench import learning, learning_report, warmup
+from openrlhf_oppo.bench import addition, learning, learning_report, warmup
 from openrlhf_oppo.bench.__main__ import header
 from openrlhf_oppo.testing.cpu_bench import CPURunner
 
@@ -58,6 +58,10 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
         # The reward's extra logs reach the step's log through the policy's training status, as on GPU: the
         # table's accuracy is the share of right answers, not the steps credit's mean reward.
         assert all(0 <= s["accuracy"] <= 1 and 0 <= s["first_token_end"] <= 1 for s in steps)
+        # So does the accuracy by digits: every sum of this run has 1 or 2 digits, in the first band.
+        assert all(s["share_digits_1_3"] == 1 and s["share_digits_4_6"] == 0 for s in steps)
+        first_band = learning_report.band_accuracy(steps, addition.DIGIT_BANDS[0])
+        assert first_band == pytest.approx(learning_report.accuracy(steps))
     # The training prompts give credit for each step of the chain (--credit steps), the held-out ones for the
     # answer alone, since OpenRLHF's pass@1 on them is their mean reward.
     labels = {name: [json.loads(line)["answer"] for line in open(out / "workload" / name)] for name in WORKLOAD}

@@ -37,6 +37,9 @@ EOS = "<|endoftext|>"  # the benchmark tokenizer's end of text (``tiny.make_toke
 CREDITS = ("steps", "answer")  # what the reward gives credit for (``score``)
 # Digits of the longer number: lognormal with this mean and sigma (of the underlying normal), clipped.
 DIGITS = dict(mean=6.0, sigma=1.0, low=1, high=40)
+# The longer number's digit counts that the accuracy is also logged for (``reward_func``): which sums a policy
+# learns shows where its accuracy stops rising.
+DIGIT_BANDS = ((1, 3), (4, 6), (7, None))  # None: no upper bound
 
 
 def digit_counts(count: int, seed: int, mean: float, sigma: float, low: int, high: int) -> List[int]:
@@ -82,6 +85,16 @@ def operands(prompt: str) -> tuple:
     return int(match[1]), int(match[2])
 
 
+def digits(prompt: str) -> int:
+    """The digits of a prompt's longer number."""
+    return max(len(str(n)) for n in operands(prompt))
+
+
+def band_key(band: tuple, what: str) -> str:
+    """The logged name of ``what`` (``share`` of the step's samples, or ``right`` among them) for a digit band."""
+    return f"{what}_digits_{band[0]}_{band[1] or 'up'}"
+
+
 def label(a: int, b: int, credit: str) -> str:
     """The prompt's label: the sum, after ``steps:`` where the reward gives credit for each step of the chain."""
     if credit not in CREDITS:
@@ -119,9 +132,12 @@ def reward_func(queries, prompts, labels):
     """OpenRLHF's rule reward (``score``), given at the end of each response.
 
     Logged beside it (``extra_logs``, a step's mean): ``accuracy``, the share of right answers whichever the
-    credit, and ``first_token_end``, the share of responses that are the end of text alone. Only a run sampled
-    with ``--rollout.min_new_tokens 0`` can have the latter; where the policy moves probability there, this is
-    where it shows (``learning.first_token_flags``)."""
+    credit; ``first_token_end``, the share of responses that are the end of text alone (only a run sampled with
+    ``--rollout.min_new_tokens 0`` can have them; where the policy moves probability there, this is where it
+    shows: ``learning.first_token_flags``); and per ``DIGIT_BANDS`` band, the share of samples whose longer
+    number has that many digits (``share_digits_LO_HI``, ``_7_up`` for the last) and the share that have them and
+    are right (``right_digits_LO_HI``). OpenRLHF logs means over all of a step's samples, so the band's accuracy is the
+    ratio of the two (``learning_report.band_accuracy``)."""
     import torch
 
     responses = [query[len(prompt) :] for query, prompt in zip(queries, prompts)]
@@ -129,7 +145,12 @@ def reward_func(queries, prompts, labels):
     sums = [tag.rpartition(":")[2] for tag in labels]
     right = torch.tensor([float(answer(response) == total) for response, total in zip(responses, sums)])
     ended_at_once = torch.tensor([float(response == EOS) for response in responses])
-    return {"rewards": rewards, "scores": rewards, "extra_logs": {"accuracy": right, "first_token_end": ended_at_once}}
+    logs = {"accuracy": right, "first_token_end": ended_at_once}
+    counts = torch.tensor([digits(prompt) for prompt in prompts])
+    for band in DIGIT_BANDS:
+        inside = ((counts >= band[0]) & (counts <= (band[1] or counts.max()))).float()
+        logs[band_key(band, "share")], logs[band_key(band, "right")] = inside, inside * right
+    return {"rewards": rewards, "scores": rewards, "extra_logs": logs}
 
 
 def write_prompts(path: str, count: int, seed: int, credit: str = "answer", **digits) -> dict:

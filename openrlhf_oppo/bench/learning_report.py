@@ -17,7 +17,10 @@ system (OpenRLHF's ``--eval.*``), unsmoothed, with its own time to the target.
 """
 
 import itertools
+import math
 import statistics
+
+from openrlhf_oppo.bench import addition
 
 SMOOTHING = 3  # steps in the moving mean
 BASELINE = "upstream-sync"
@@ -57,6 +60,61 @@ def in_loop_eval_s(steps: list) -> list:
 def step_seconds(steps: list) -> list:
     """Each step's wall time, less a held-out evaluation run in the training loop before it."""
     return [s["wall_s"] - e for s, e in zip(steps, in_loop_eval_s(steps))]
+
+
+def band_accuracy(steps: list, digits: tuple) -> list:
+    """The smoothed accuracy at each step on the sums whose longer number has ``digits`` digits (an
+    ``addition.DIGIT_BANDS`` band): the right ones among them over the moving window, NaN where the window has
+    none. Each step's log is a mean over its samples (``addition.reward_func``), and a step's samples are as many
+    whatever the system, so the window's sums weigh each sample alike."""
+    share = [s.get(addition.band_key(digits, "share"), 0.0) for s in steps]
+    right = [s.get(addition.band_key(digits, "right"), 0.0) for s in steps]
+    smoothed = []
+    for i in range(len(steps)):
+        window = slice(max(0, i - SMOOTHING + 1), i + 1)
+        total = sum(share[window])
+        smoothed.append(sum(right[window]) / total if total else math.nan)
+    return smoothed
+
+
+def digits_table(runs: dict) -> list:
+    """Per system, the sampled accuracy on each band of the longer number's digits at the start and the end (the
+    first and the last moving windows), and the band's share of the samples, means over the seeds: which sums a
+    system learned, and, since OPPO trains each step's first groups to finish, its accuracy on equal sums."""
+    names = [f"{lo}-{hi} digits" if hi else f"{lo}+ digits" for lo, hi in addition.DIGIT_BANDS]
+    lines = [
+        f"Accuracy of the sampled responses by the digits of the sum's longer number ({SMOOTHING}-step windows,"
+        " start → end), means over the seeds; in brackets, the band's share of the samples trained.",
+        "",
+        "| system | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for system, seeds in runs.items():
+        if not seeds:
+            continue  # failed: the first table says so
+        cells = []
+        for digits in addition.DIGIT_BANDS:
+            curves = [band_accuracy(steps, digits) for steps in seeds.values()]
+            start, end = (_mean_or_nan([c[k] for c in curves]) for k in (min(SMOOTHING, len(curves[0])) - 1, -1))
+            share = statistics.mean(s[addition.band_key(digits, "share")] for r in seeds.values() for s in r)
+            cells.append(f"{_percent(start)} → {_percent(end)} ({share:.0%})")
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _mean_or_nan(values: list) -> float:
+    known = [v for v in values if not math.isnan(v)]
+    return statistics.mean(known) if known else math.nan
+
+
+def _percent(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1%}"
+
+
+def logs_digits(runs: dict) -> bool:
+    """Whether every run logged the accuracy by digits (runs from before the reward did, did not)."""
+    key = addition.band_key(addition.DIGIT_BANDS[0], "share")
+    return all(key in s for seeds in runs.values() for steps in seeds.values() for s in steps)
 
 
 def minutes(steps: list) -> list:
@@ -141,6 +199,8 @@ def table(results: dict) -> str:
         )
     if any(heldout(steps) for seeds in runs.values() for steps in seeds.values()):
         lines += ["", *heldout_table(results)]
+    if any(runs.values()) and logs_digits(runs):
+        lines += ["", *digits_table(runs)]
     level = sync_end_level(runs)
     if base_minutes is None and level is not None:
         lines += ["", *sync_end_table(runs, level)]
