@@ -206,7 +206,7 @@ def test_no_time_to_syncs_end_accuracy_where_sync_did_not_rise():
     assert "Time to upstream sync's end accuracy" not in report.table(results)
 
 
-def test_the_accuracy_by_digits_has_its_own_table():
+def test_the_accuracy_by_digits_has_its_own_table_and_plot(tmp_path):
     """Each band's accuracy is its right samples over its samples in the window, so a system that trains more
     short sums (OPPO trains each step's first groups to finish) is compared on equal sums."""
     results = _results({("upstream-sync", 0): ([0.5] * 4, 60), ("oppo-both", 0): ([0.5] * 4, 30)})
@@ -223,8 +223,13 @@ def test_the_accuracy_by_digits_has_its_own_table():
     rows = _rows(lines, "| system | 1-3 digits | 4-6 digits | 7+ digits |")
     assert rows["upstream-sync"] == ["40.0% → 53.3% (50%)", "25.0% → 25.0% (40%)", "- → - (0%)"]
     assert rows["oppo-both"] == ["50.0% → 50.0% (60%)", "25.0% → 25.0% (40%)", "- → - (0%)"]
-    # Runs from before the reward logged the bands have no such table.
-    assert "1-3 digits" not in report.table(_results({("upstream-sync", 0): ([0.5] * 4, 60)}))
+    report.write(results, str(tmp_path))
+    assert (tmp_path / "accuracy-by-digits.png").stat().st_size > 0
+    # Runs from before the reward logged the bands have no such table, nor plot.
+    older = _results({("upstream-sync", 0): ([0.5] * 4, 60)})
+    assert "1-3 digits" not in report.table(older)
+    report.write(older, str(tmp_path / "older"))
+    assert not (tmp_path / "older" / "accuracy-by-digits.png").exists()
 
 
 def test_accuracy_is_the_share_of_right_answers_whatever_the_reward():

@@ -7,7 +7,7 @@ loop warms up a small model on the task (``bench/warmup.py``, supervised), then 
 with the same policy-gradient step: 8 samples a prompt, advantages normalised within each prompt's samples
 (OpenRLHF's group_norm), one update per batch of fresh samples (so no clipping or importance weights are
 needed), no KL term. Both copies see the same prompts. It records per step the share of right answers among the
-samples, and every ``--eval_every`` steps the greedy accuracy on held-out sums; prints a line per step and
+samples (and per band of the longer number's digits, ``addition.DIGIT_BANDS``), and every ``--eval_every`` steps the greedy accuracy on held-out sums; prints a line per step and
 writes JSON.
 
     python examples/scripts/credit_learnability_cpu.py --out runs/credit-learnability.json
@@ -100,9 +100,18 @@ def train(actor_dir, credit, seed, args, heldout):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        logs = {key: value.sum().item() for key, value in scored["extra_logs"].items()}
         record = dict(
             step=step,
             accuracy=sum(right) / len(right),
+            # Per band of the longer number's digits: its samples and the right ones among them.
+            bands={
+                f"{lo}-{hi or ''}": [
+                    logs[addition.band_key((lo, hi), "share")],
+                    logs[addition.band_key((lo, hi), "right")],
+                ]
+                for lo, hi in addition.DIGIT_BANDS
+            },
             reward=rewards.mean().item(),
             groups_that_differ=(spread > 0).float().mean().item(),
             response_length=statistics.mean(len(r) for r in responses),
@@ -191,6 +200,14 @@ def main():
                 f" {warm['accuracy']:.1%} -> {history[-1]['heldout']:.1%}; groups that differ"
                 f" {statistics.mean(r['groups_that_differ'] for r in history):.0%}"
             )
+            for band in history[0]["bands"]:
+                (samples_first, right_first), (samples_last, right_last) = (
+                    [sum(r["bands"][band][k] for r in part) for k in (0, 1)] for part in (history[:10], history[-10:])
+                )
+                print(
+                    f"  {band} digits: sampled accuracy {right_first / max(samples_first, 1):.1%} (first 10 steps, "
+                    f"{samples_first:.0f} samples) -> {right_last / max(samples_last, 1):.1%} (last 10)"
+                )
 
 
 if __name__ == "__main__":

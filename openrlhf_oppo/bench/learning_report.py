@@ -415,6 +415,40 @@ def plot_signals(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_digits(results: dict, path: str) -> None:
+    """The sampled accuracy per step on each band of the longer number's digits (``band_accuracy``), and the band's
+    share of the samples: which sums each system learned. Per system the mean over the seeds, with a band from the
+    lowest to the highest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    runs = {system: seeds for system, seeds in runs_by_system(results).items() if seeds}
+    fig, axes = plt.subplots(1, len(addition.DIGIT_BANDS), figsize=(13, 3.8), sharey=True)
+    for ax, digits in zip(axes, addition.DIGIT_BANDS):
+        for system, seeds in runs.items():
+            curves = [band_accuracy(steps, digits) for steps in seeds.values()]
+            count = min(len(c) for c in curves)
+            values = np.array([c[:count] for c in curves], dtype=float)
+            x = np.arange(1, count + 1)
+            share = statistics.mean(s[addition.band_key(digits, "share")] for r in seeds.values() for s in r)
+            (line,) = ax.plot(x, np.nanmean(values, axis=0), label=f"{system} ({share:.0%} of the samples)", lw=1.2)
+            if len(curves) > 1:
+                ax.fill_between(
+                    x, np.nanmin(values, axis=0), np.nanmax(values, axis=0), color=line.get_color(), alpha=0.2
+                )
+        ax.set_title(f"sums of {digits[0]}-{digits[1]} digits" if digits[1] else f"sums of {digits[0]}+ digits")
+        ax.set_xlabel("PPO step")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel(f"accuracy of the sampled responses\n({SMOOTHING}-step window)")
+    fig.suptitle(f"{_run_label(results)}: accuracy by the digits of the sum's longer number", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _run_label(results: dict) -> str:
     """The task, the model's shape and the GPUs, as the plots' titles name a run."""
     gpus = results["machine"]["gpus"]

@@ -562,6 +562,8 @@ def write(results: dict, out: str) -> None:
                 results, os.path.join(out, "accuracy-by-step.png"), os.path.join(out, "accuracy-by-time.png")
             )
             learning_report.plot_signals(results, os.path.join(out, "signals-by-step.png"))
+            if learning_report.logs_digits(learning_report.runs_by_system(results)):
+                learning_report.plot_digits(results, os.path.join(out, "accuracy-by-digits.png"))
         elif is_convergence(results):
             plot_convergence(results, os.path.join(out, "convergence.png"))
         if any(memory_keys(r) for r in results["systems"].values()):
