@@ -74,6 +74,13 @@ def test_the_accuracy_is_logged_by_the_longer_numbers_digits():
     assert logs["share_digits_7_up"] == [0, 0, 0, 1] and logs["right_digits_7_up"] == [0, 0, 0, 1]
 
 
+def test_the_warm_ups_accuracy_is_told_by_digits():
+    pairs = [(1, 2), (34, 5), (123, 4), (1234, 5), (12345678, 9)]
+    bands = warmup.accuracy_by_digits(pairs, [True, False, True, False, False])
+    assert bands == {"1-3": 2 / 3, "4-6": 0.0, "7+": 0.0}
+    assert warmup.accuracy_by_digits(pairs[:2], [True, True]) == {"1-3": 1.0}  # only the bands it has
+
+
 def test_steps_credit_grows_with_the_steps_right_in_their_place():
     prompt, right = addition.prompt(5821, 967), addition.solution(5821, 967)
     chain = right.split(";")[0].split(",")
@@ -93,6 +100,7 @@ def test_warm_up_is_cached_with_its_settings(tmp_path):
     first = warmup.warm_up(str(tmp_path), "tiny", 0.9, **options)
     actor = tmp_path / "models" / "actor" / "model.safetensors"
     assert first["steps"] == 4 and not first["reached_target"]  # 4 steps cannot reach 90%: stopped at max_steps
+    assert set(first["accuracy_by_digits"]) == {"1-3"}  # sums of up to 2 digits
     assert (tmp_path / "models" / "reward" / "config.json").exists()
     saved_at = os.path.getmtime(actor)
     assert warmup.warm_up(str(tmp_path), "tiny", 0.9, **options) == first
@@ -225,6 +233,8 @@ def test_the_accuracy_by_digits_has_its_own_table_and_plot(tmp_path):
     assert rows["oppo-both"] == ["50.0% → 50.0% (60%)", "25.0% → 25.0% (40%)", "- → - (0%)"]
     report.write(results, str(tmp_path))
     assert (tmp_path / "accuracy-by-digits.png").stat().st_size > 0
+    results["task"]["warmup"]["accuracy_by_digits"] = {"1-3": 0.41, "4-6": 0.0, "7+": 0.0}
+    assert "(by the longer number's digits: 1-3 41%, 4-6 0%, 7+ 0%)" in report.table(results)
     # Runs from before the reward logged the bands have no such table, nor plot.
     older = _results({("upstream-sync", 0): ([0.5] * 4, 60)})
     assert "1-3 digits" not in report.table(older)

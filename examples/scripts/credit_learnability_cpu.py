@@ -118,7 +118,9 @@ def train(actor_dir, credit, seed, args, heldout):
             seconds=time.time() - started,
         )
         if step % args.eval_every == 0 or step == args.steps:
-            record["heldout"] = warmup.greedy_accuracy(model, tokenizer, heldout, eval_tokens, "cpu")
+            right_heldout = warmup.greedy_right(model, tokenizer, heldout, eval_tokens, "cpu")
+            record["heldout"] = sum(right_heldout) / len(right_heldout)
+            record["heldout_by_digits"] = warmup.accuracy_by_digits(heldout, right_heldout)
         history.append(record)
         print(
             f"[{credit}, seed {seed}] step {step}: accuracy {record['accuracy']:.1%}, reward {record['reward']:.3f}, groups that"
@@ -200,6 +202,7 @@ def main():
                 f" {warm['accuracy']:.1%} -> {history[-1]['heldout']:.1%}; groups that differ"
                 f" {statistics.mean(r['groups_that_differ'] for r in history):.0%}"
             )
+            print(f"  held-out by digits: warm-up {warm['accuracy_by_digits']} -> {history[-1]['heldout_by_digits']}")
             for band in history[0]["bands"]:
                 (samples_first, right_first), (samples_last, right_last) = (
                     [sum(r["bands"][band][k] for r in part) for k in (0, 1)] for part in (history[:10], history[-10:])

@@ -165,6 +165,7 @@ def table(results: dict) -> str:
         f"Warm-up: {warm['steps']} supervised steps ({warm['seconds'] / 60:.1f} min on {warm['device']}), greedy"
         f" accuracy {' / '.join(starts)} on held-out sums"
         + (" (the runs started from warm-ups trained separately)" if len(starts) > 1 else "")
+        + _by_digits(warm)
         + f". Prompts: digits up to {prompts['digits']['high']}"
         f" (lognormal, mean {prompts['digits']['mean']:g}); right responses mean {prompts['mean_length']:.0f}"
         f" tokens, p90 {prompts['p90_length']}, max {prompts['max_length']}. Reward: "
@@ -205,6 +206,15 @@ def table(results: dict) -> str:
     if base_minutes is None and level is not None:
         lines += ["", *sync_end_table(runs, level)]
     return "\n".join(lines) + "\n"
+
+
+def _by_digits(warm: dict) -> str:
+    """The warm-up's held-out accuracy by the longer number's digits, where it was measured (warm-ups from before
+    were not)."""
+    bands = warm.get("accuracy_by_digits")
+    if not bands:
+        return ""
+    return " (by the longer number's digits: " + ", ".join(f"{k} {v:.0%}" for k, v in bands.items()) + ")"
 
 
 def _time_to(seeds: dict, level: float, base_minutes) -> str:

@@ -95,11 +95,15 @@ def warm_up(
     tiny.save_value_model(actor_dir, reward_dir, dtype)
     # The accuracy of what was saved (rounded through bfloat16), which is what PPO starts from.
     saved = Qwen2ForCausalLM.from_pretrained(actor_dir, dtype=torch.float32).to(device)
+    right = greedy_right(saved, tokenizer, tests, max_new_tokens, device)
     summary = dict(
         settings=settings,
         steps=step,
         seconds=time.time() - started,
-        accuracy=greedy_accuracy(saved, tokenizer, tests, max_new_tokens, device),
+        accuracy=sum(right) / len(right),
+        # PPO with the answer's credit learns nothing from sums whose samples are all wrong: where the saved model
+        # gets none of a band right, the most a run can rise is the other bands' share (docs/benchmark.md).
+        accuracy_by_digits=accuracy_by_digits(tests, right),
         reached_target=accuracy >= target,
         history=history,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -140,11 +144,29 @@ def _loss(model, ids, labels, mask):
 
 def greedy_accuracy(model, tokenizer, pairs, max_new_tokens: int, device, batch: int = 256) -> float:
     """The share of ``pairs`` whose greedy response gives the right sum and ends (``addition.answer``)."""
+    right = greedy_right(model, tokenizer, pairs, max_new_tokens, device, batch)
+    return sum(right) / len(right)
+
+
+def accuracy_by_digits(pairs, right: list) -> dict:
+    """The share of right ones among ``pairs`` whose longer number has each ``addition.DIGIT_BANDS`` band's digits
+    (``"4-6"``; ``"7+"`` for the last), for the bands the pairs have: which sums the model gets right."""
+    counts = [addition.digits(addition.prompt(a, b)) for a, b in pairs]
+    shares = {}
+    for lo, hi in addition.DIGIT_BANDS:
+        oks = [ok for n, ok in zip(counts, right) if lo <= n <= (hi or n)]
+        if oks:
+            shares[f"{lo}-{hi}" if hi else f"{lo}+"] = sum(oks) / len(oks)
+    return shares
+
+
+def greedy_right(model, tokenizer, pairs, max_new_tokens: int, device, batch: int = 256) -> list:
+    """For each of ``pairs``, whether its greedy response gives the right sum and ends."""
     import torch
 
     model.eval()
     tokenizer.padding_side = "left"
-    correct = 0
+    right = []
     for start in range(0, len(pairs), batch):
         chunk = pairs[start : start + batch]
         inputs = tokenizer([addition.prompt(a, b) for a, b in chunk], return_tensors="pt", padding=True).to(device)
@@ -159,8 +181,8 @@ def greedy_accuracy(model, tokenizer, pairs, max_new_tokens: int, device, batch:
         for (a, b), ids in zip(chunk, out[:, inputs["input_ids"].shape[1] :].tolist()):
             if tokenizer.eos_token_id in ids:  # up to the first end of text: what follows is padding
                 ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
-            correct += addition.answer(tokenizer.decode(ids)) == str(a + b)
-    return correct / len(pairs)
+            right.append(addition.answer(tokenizer.decode(ids)) == str(a + b))
+    return right
 
 
 def main():
