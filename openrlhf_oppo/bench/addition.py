@@ -90,6 +90,16 @@ def digits(prompt: str) -> int:
     return max(len(str(n)) for n in operands(prompt))
 
 
+def in_band(count: int, band: tuple) -> bool:
+    """Whether ``count`` digits are in a ``DIGIT_BANDS`` band."""
+    return band[0] <= count and (band[1] is None or count <= band[1])
+
+
+def band_name(band: tuple) -> str:
+    """``1-3``, or ``7+`` for the last band."""
+    return f"{band[0]}-{band[1]}" if band[1] else f"{band[0]}+"
+
+
 def band_key(band: tuple, what: str) -> str:
     """The logged name of ``what`` (``share`` of the step's samples, or ``right`` among them) for a digit band."""
     return f"{what}_digits_{band[0]}_{band[1] or 'up'}"
@@ -135,9 +145,9 @@ def reward_func(queries, prompts, labels):
     credit; ``first_token_end``, the share of responses that are the end of text alone (only a run sampled with
     ``--rollout.min_new_tokens 0`` can have them; where the policy moves probability there, this is where it
     shows: ``learning.first_token_flags``); and per ``DIGIT_BANDS`` band, the share of samples whose longer
-    number has that many digits (``share_digits_LO_HI``, ``_7_up`` for the last) and the share that have them and
-    are right (``right_digits_LO_HI``). OpenRLHF logs means over all of a step's samples, so the band's accuracy is the
-    ratio of the two (``learning_report.band_accuracy``)."""
+    number has that many digits (``share_digits_LO_HI``, ``_7_up`` for the last) and the share that have them
+    and are right (``right_digits_LO_HI``). OpenRLHF logs means over all of a step's samples, so the band's
+    accuracy is the ratio of the two (``learning_report.band_accuracy``)."""
     import torch
 
     responses = [query[len(prompt) :] for query, prompt in zip(queries, prompts)]
@@ -146,9 +156,9 @@ def reward_func(queries, prompts, labels):
     right = torch.tensor([float(answer(response) == total) for response, total in zip(responses, sums)])
     ended_at_once = torch.tensor([float(response == EOS) for response in responses])
     logs = {"accuracy": right, "first_token_end": ended_at_once}
-    counts = torch.tensor([digits(prompt) for prompt in prompts])
+    counts = [digits(prompt) for prompt in prompts]
     for band in DIGIT_BANDS:
-        inside = ((counts >= band[0]) & (counts <= (band[1] or counts.max()))).float()
+        inside = torch.tensor([float(in_band(count, band)) for count in counts])
         logs[band_key(band, "share")], logs[band_key(band, "right")] = inside, inside * right
     return {"rewards": rewards, "scores": rewards, "extra_logs": logs}
 

@@ -123,9 +123,10 @@ def parse(argv=None):
 def run(args, runner, header: dict, warmup_options=None) -> dict:
     """Warm up, then every system with every seed through ``runner(name, flags, args) -> result``.
 
-    ``args``: ``parse``'s, which refused the systems the placement cannot run. ``header``: what results.json starts with (``__main__.header``). ``warmup_options``: ``warmup.warm_up``
-    settings besides the shape, target and digits (the CPU tests' smaller batch and evaluation). Returns the
-    results, also written to ``OUT/results.json``.
+    ``args``: ``parse``'s, which refused the systems the placement cannot run. ``header``: what results.json
+    starts with (``__main__.header``). ``warmup_options``: ``warmup.warm_up`` settings besides the shape, target
+    and digits (the CPU tests' smaller batch and evaluation). Returns the results, also written to
+    ``OUT/results.json``.
     """
     systems = [s for s in args.systems.split(",") if s]
     seeds = [int(s) for s in args.seeds.split(",") if s]

@@ -81,7 +81,7 @@ def digits_table(runs: dict) -> list:
     """Per system, the sampled accuracy on each band of the longer number's digits at the start and the end (the
     first and the last moving windows), and the band's share of the samples, means over the seeds: which sums a
     system learned, and, since OPPO trains each step's first groups to finish, its accuracy on equal sums."""
-    names = [f"{lo}-{hi} digits" if hi else f"{lo}+ digits" for lo, hi in addition.DIGIT_BANDS]
+    names = [f"{addition.band_name(band)} digits" for band in addition.DIGIT_BANDS]
     lines = [
         f"Accuracy of the sampled responses by the digits of the sum's longer number ({SMOOTHING}-step windows,"
         " start → end), means over the seeds; in brackets, the band's share of the samples trained.",
@@ -449,7 +449,7 @@ def plot_digits(results: dict, path: str) -> None:
                 ax.fill_between(
                     x, np.nanmin(values, axis=0), np.nanmax(values, axis=0), color=line.get_color(), alpha=0.2
                 )
-        ax.set_title(f"sums of {digits[0]}-{digits[1]} digits" if digits[1] else f"sums of {digits[0]}+ digits")
+        ax.set_title(f"sums of {addition.band_name(digits)} digits")
         ax.set_xlabel("PPO step")
         ax.legend(fontsize=7)
     axes[0].set_ylabel(f"accuracy of the sampled responses\n({SMOOTHING}-step window)")

@@ -153,10 +153,10 @@ def accuracy_by_digits(pairs, right: list) -> dict:
     (``"4-6"``; ``"7+"`` for the last), for the bands the pairs have: which sums the model gets right."""
     counts = [addition.digits(addition.prompt(a, b)) for a, b in pairs]
     shares = {}
-    for lo, hi in addition.DIGIT_BANDS:
-        oks = [ok for n, ok in zip(counts, right) if lo <= n <= (hi or n)]
+    for band in addition.DIGIT_BANDS:
+        oks = [ok for count, ok in zip(counts, right) if addition.in_band(count, band)]
         if oks:
-            shares[f"{lo}-{hi}" if hi else f"{lo}+"] = sum(oks) / len(oks)
+            shares[addition.band_name(band)] = sum(oks) / len(oks)
     return shares
 
 
