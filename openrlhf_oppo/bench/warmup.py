@@ -108,6 +108,12 @@ def warm_up(
         history=history,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
     )
+    if device == "cuda":
+        # The PPO runs that follow share the GPU with this process: what its allocator holds on to (a batch of 256
+        # sums with their logits, at every width the batches had) would be taken from vLLM and the models.
+        summary["gpu_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+        del model, optimizer, scheduler, saved
+        torch.cuda.empty_cache()
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=1)
     if not summary["reached_target"]:
