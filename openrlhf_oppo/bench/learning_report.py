@@ -77,6 +77,11 @@ def band_accuracy(steps: list, digits: tuple) -> list:
     return smoothed
 
 
+def band_share(seeds: dict, digits: tuple) -> float:
+    """The share of a system's samples, over its seeds and steps, whose longer number has ``digits`` digits."""
+    return statistics.mean(s[addition.band_key(digits, "share")] for steps in seeds.values() for s in steps)
+
+
 def digits_table(runs: dict) -> list:
     """Per system, the sampled accuracy on each band of the longer number's digits at the start and the end (the
     first and the last moving windows), and the band's share of the samples, means over the seeds: which sums a
@@ -96,7 +101,7 @@ def digits_table(runs: dict) -> list:
         for digits in addition.DIGIT_BANDS:
             curves = [band_accuracy(steps, digits) for steps in seeds.values()]
             start, end = (_mean_or_nan([c[k] for c in curves]) for k in (min(SMOOTHING, len(curves[0])) - 1, -1))
-            share = statistics.mean(s[addition.band_key(digits, "share")] for r in seeds.values() for s in r)
+            share = band_share(seeds, digits)
             cells.append(f"{_percent(start)} → {_percent(end)} ({share:.0%})")
         lines.append(f"| {system} | " + " | ".join(cells) + " |")
     return lines
@@ -443,7 +448,7 @@ def plot_digits(results: dict, path: str) -> None:
             count = min(len(c) for c in curves)
             values = np.array([c[:count] for c in curves], dtype=float)
             x = np.arange(1, count + 1)
-            share = statistics.mean(s[addition.band_key(digits, "share")] for r in seeds.values() for s in r)
+            share = band_share(seeds, digits)
             (line,) = ax.plot(x, np.nanmean(values, axis=0), label=f"{system} ({share:.0%} of the samples)", lw=1.2)
             if len(curves) > 1:
                 ax.fill_between(
