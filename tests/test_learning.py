@@ -214,6 +214,25 @@ def test_no_time_to_syncs_end_accuracy_where_sync_did_not_rise():
     assert "Time to upstream sync's end accuracy" not in report.table(results)
 
 
+def test_runs_of_40_steps_or_more_also_get_the_rise_between_their_first_and_last_tenth():
+    """One bad last step (a batch of long sums) drags the 3-step end down by a third of its fall; over the last
+    tenth it weighs a tenth as much."""
+    steady = [0.2] * 20 + [0.5] * 19 + [0.2]  # 40 steps: tenths of 4
+    results = _results({("upstream-sync", 0): (steady, 60), ("oppo-both", 0): ([0.2] * 20 + [0.5] * 20, 30)})
+    lines = report.table(results).splitlines()
+    assert lines[lines.index("| system | accuracy, first tenth | accuracy, last tenth | rise (points) |") - 2] == (
+        "Accuracy of the sampled responses over the first and the last tenth of each run's steps (4 steps), means"
+        " over the seeds (lowest-highest)."
+    )
+    rows = _rows(lines, "| system | accuracy, first tenth | accuracy, last tenth | rise (points) |")
+    assert rows["upstream-sync"] == ["20.0%", "42.5%", "+22.5"]
+    assert rows["oppo-both"] == ["20.0%", "50.0%", "+30.0"]
+    first = _rows(lines, next(line for line in lines if line.startswith("| system | seeds |")))
+    assert first["upstream-sync"][4] == "+20.0"  # the 3-step end: (0.5 + 0.5 + 0.2) / 3
+    # Shorter runs: the tenth is no longer than the first table's windows, and there is no such table.
+    assert "first tenth" not in report.table(_results({("upstream-sync", 0): ([0.2] * 39, 60)}))
+
+
 def test_the_accuracy_by_digits_has_its_own_table_and_plot(tmp_path):
     """Each band's accuracy is its right samples over its samples in the window, so a system that trains more
     short sums (OPPO trains each step's first groups to finish) is compared on equal sums."""

@@ -9,7 +9,8 @@ Upstream sync's seed band is, at each step, the lowest to the highest of its see
 one seed there is no band, and the table says nothing of it). Where upstream sync's seeds do not all reach the
 target but all end above where they all started, a third table times each system to the accuracy they all
 reached at the end (the lowest of their last smoothed accuracies): the minutes to one accuracy, compared all the
-same.
+same. Runs of 40 steps or more also get the accuracy over the first and the last tenth of their steps
+(``tenths_table``): its rise is less at the mercy of a few steps' prompts than the first table's.
 That accuracy is over the samples each step trains, and OPPO trains each step's first groups to finish (the
 short sums first); runs with evaluations also get the held-out accuracy: greedy, on one set of sums for every
 system (OpenRLHF's ``--eval.*``), unsmoothed, with its own time to the target.
@@ -39,9 +40,14 @@ def runs_by_system(results: dict) -> dict:
     return runs
 
 
+def raw_accuracy(steps: list) -> list:
+    """Each step's accuracy, unsmoothed."""
+    return [s.get("accuracy", s.get("rollout/reward_mean", float("nan"))) for s in steps]
+
+
 def accuracy(steps: list) -> list:
     """The smoothed accuracy at each step."""
-    raw = [s.get("accuracy", s.get("rollout/reward_mean", float("nan"))) for s in steps]
+    raw = raw_accuracy(steps)
     return [statistics.mean(raw[max(0, i - SMOOTHING + 1) : i + 1]) for i in range(len(raw))]
 
 
@@ -203,6 +209,8 @@ def table(results: dict) -> str:
             f" | {statistics.mean(end) * 100 - statistics.mean(start) * 100:+.1f}"
             f" | {_time_to(seeds, target, base_minutes)} | {in_band} |"
         )
+    if any(len(steps) // 10 > SMOOTHING for seeds in runs.values() for steps in seeds.values()):
+        lines += ["", *tenths_table(runs)]
     if any(heldout(steps) for seeds in runs.values() for steps in seeds.values()):
         lines += ["", *heldout_table(results)]
     if any(runs.values()) and logs_digits(runs):
@@ -211,6 +219,35 @@ def table(results: dict) -> str:
     if base_minutes is None and level is not None:
         lines += ["", *sync_end_table(runs, level)]
     return "\n".join(lines) + "\n"
+
+
+def tenths(steps: list) -> tuple:
+    """The mean accuracy over the first and over the last tenth of a run's steps (unsmoothed)."""
+    raw = raw_accuracy(steps)
+    n = max(1, len(raw) // 10)
+    return statistics.mean(raw[:n]), statistics.mean(raw[-n:])
+
+
+def tenths_table(runs: dict) -> list:
+    """Per system, the sampled accuracy over the first and the last tenth of its steps and the rise between them,
+    means over the seeds (lowest-highest). A step trains 32 prompts, and their mix of short and long sums moves its
+    accuracy by several points from one step to the next: the first table's start and end, 3 steps each, carry
+    that into the rise, which a longer run can average away."""
+    counts = sorted({len(steps) // 10 for seeds in runs.values() for steps in seeds.values()})
+    lines = [
+        "Accuracy of the sampled responses over the first and the last tenth of each run's steps"
+        f" ({'/'.join(map(str, counts))} steps), means over the seeds (lowest-highest).",
+        "",
+        "| system | accuracy, first tenth | accuracy, last tenth | rise (points) |",
+        "|---|---|---|---|",
+    ]
+    for system, seeds in runs.items():
+        if not seeds:
+            continue  # failed: the first table says so
+        first, last = zip(*(tenths(steps) for steps in seeds.values()))
+        rise = statistics.mean(last) * 100 - statistics.mean(first) * 100
+        lines.append(f"| {system} | {_spread(first, '.1%')} | {_spread(last, '.1%')} | {rise:+.1f} |")
+    return lines
 
 
 def _by_digits(warm: dict) -> str:
