@@ -101,6 +101,14 @@ def test_warm_up_is_cached_with_its_settings(tmp_path):
     actor = tmp_path / "models" / "actor" / "model.safetensors"
     assert first["steps"] == 4 and not first["reached_target"]  # 4 steps cannot reach 90%: stopped at max_steps
     assert set(first["accuracy_by_digits"]) == {"1-3"}  # sums of up to 2 digits
+    assert [set(h["accuracy_by_digits"]) for h in first["history"]] == [{"1-3"}, {"1-3"}]
+    # The wrong ones it shows are the saved model's greedy responses, after their prompts: 4 steps leave most wrong.
+    wrong = first["wrong_by_digits"]["1-3"]
+    assert wrong and len(wrong) <= 3
+    for text in wrong:
+        prompt, response = text[: text.index("=") + 1], text[text.index("=") + 1 :]
+        a, b = addition.operands(prompt)
+        assert addition.answer(response) != str(a + b)
     assert (tmp_path / "models" / "reward" / "config.json").exists()
     saved_at = os.path.getmtime(actor)
     assert warmup.warm_up(str(tmp_path), "tiny", 0.9, **options) == first

@@ -1,14 +1,15 @@
 """Supervised warm-up for the learning benchmark: a Qwen2-shaped model learns the addition task part of the way.
 
-    python -m openrlhf_oppo.bench.warmup --out DIR [--shape small] [--target 0.3]
+    python -m openrlhf_oppo.bench.warmup --out DIR [--shape small] [--target 0.3] [--digits_mean 6]
 
 Plain PyTorch, on the GPU if there is one, else the CPU. A random-init model of a ``tiny.SHAPES`` shape and the
 byte-level benchmark tokenizer (no downloads) is trained on fresh sums every step (``addition.problems``, loss
 on the response only) and stops once its greedy accuracy on held-out sums reaches ``target``: a model that
 gets some sums right and many wrong, which PPO can improve. It writes ``DIR/models/actor`` (the policy and
 reference), ``DIR/models/reward`` (the actor's body with a fresh value head: the critic's starting point, as
-``tiny.make_checkpoints`` builds it) and ``DIR/warmup.json`` (accuracy per evaluation, steps, seconds). A
-second run with the same settings reuses them.
+``tiny.make_checkpoints`` builds it) and ``DIR/warmup.json`` (accuracy per evaluation, overall and by the
+longer number's digits, steps, seconds, and a few wrong responses of each band). A second run with the same
+settings reuses them.
 """
 
 import argparse
@@ -83,11 +84,16 @@ def warm_up(
             optimizer.step()
             scheduler.step()
             step += 1
-        accuracy = greedy_accuracy(model, tokenizer, tests, max_new_tokens, device)
-        history.append(dict(step=step, loss=loss.item(), accuracy=accuracy, seconds=time.time() - started))
+        right = greedy_right(model, tokenizer, tests, max_new_tokens, device)
+        accuracy, bands = sum(right) / len(right), accuracy_by_digits(tests, right)
+        history.append(
+            dict(
+                step=step, loss=loss.item(), accuracy=accuracy, accuracy_by_digits=bands, seconds=time.time() - started
+            )
+        )
         print(
             f"[warm-up] step {step}: loss {loss.item():.3f}, held-out accuracy {accuracy:.1%}"
-            f" ({time.time() - started:.0f} s)",
+            f" ({', '.join(f'{k} digits {v:.0%}' for k, v in bands.items())}; {time.time() - started:.0f} s)",
             flush=True,
         )
 
@@ -95,7 +101,8 @@ def warm_up(
     tiny.save_value_model(actor_dir, reward_dir, dtype)
     # The accuracy of what was saved (rounded through bfloat16), which is what PPO starts from.
     saved = Qwen2ForCausalLM.from_pretrained(actor_dir, dtype=torch.float32).to(device)
-    right = greedy_right(saved, tokenizer, tests, max_new_tokens, device)
+    responses = greedy_responses(saved, tokenizer, tests, max_new_tokens, device)
+    right = right_answers(tests, responses)
     summary = dict(
         settings=settings,
         steps=step,
@@ -104,6 +111,8 @@ def warm_up(
         # PPO with the answer's credit learns nothing from sums whose samples are all wrong: where the saved model
         # gets none of a band right, the most a run can rise is the other bands' share (docs/benchmark.md).
         accuracy_by_digits=accuracy_by_digits(tests, right),
+        # How it gets them wrong: whether a long sum's chain goes astray at its first steps or at the answer.
+        wrong_by_digits=wrong_by_digits(tests, responses, right),
         reached_target=accuracy >= target,
         history=history,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -148,12 +157,6 @@ def _loss(model, ids, labels, mask):
         return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
 
-def greedy_accuracy(model, tokenizer, pairs, max_new_tokens: int, device, batch: int = 256) -> float:
-    """The share of ``pairs`` whose greedy response gives the right sum and ends (``addition.answer``)."""
-    right = greedy_right(model, tokenizer, pairs, max_new_tokens, device, batch)
-    return sum(right) / len(right)
-
-
 def accuracy_by_digits(pairs, right: list) -> dict:
     """The share of right ones among ``pairs`` whose longer number has each ``addition.DIGIT_BANDS`` band's digits
     (``"4-6"``; ``"7+"`` for the last), for the bands the pairs have: which sums the model gets right."""
@@ -166,13 +169,35 @@ def accuracy_by_digits(pairs, right: list) -> dict:
     return shares
 
 
+def wrong_by_digits(pairs, responses: list, right: list, per_band: int = 3) -> dict:
+    """Per ``addition.DIGIT_BANDS`` band, the first ``per_band`` wrong greedy responses, each after its prompt."""
+    wrong = {}
+    for (a, b), response, ok in zip(pairs, responses, right):
+        count = addition.digits(addition.prompt(a, b))
+        band = next(band for band in addition.DIGIT_BANDS if addition.in_band(count, band))
+        examples = wrong.setdefault(addition.band_name(band), [])
+        if not ok and len(examples) < per_band:
+            examples.append(addition.prompt(a, b) + response)
+    return wrong
+
+
 def greedy_right(model, tokenizer, pairs, max_new_tokens: int, device, batch: int = 256) -> list:
     """For each of ``pairs``, whether its greedy response gives the right sum and ends."""
+    return right_answers(pairs, greedy_responses(model, tokenizer, pairs, max_new_tokens, device, batch))
+
+
+def right_answers(pairs, responses: list) -> list:
+    """For each of ``pairs``, whether its response gives the right sum and ends."""
+    return [addition.answer(response) == str(a + b) for (a, b), response in zip(pairs, responses)]
+
+
+def greedy_responses(model, tokenizer, pairs, max_new_tokens: int, device, batch: int = 256) -> list:
+    """The greedy response to each of ``pairs``, up to its first end of text (included, where it has one)."""
     import torch
 
     model.eval()
     tokenizer.padding_side = "left"
-    right = []
+    responses = []
     for start in range(0, len(pairs), batch):
         chunk = pairs[start : start + batch]
         inputs = tokenizer([addition.prompt(a, b) for a, b in chunk], return_tensors="pt", padding=True).to(device)
@@ -184,11 +209,11 @@ def greedy_right(model, tokenizer, pairs, max_new_tokens: int, device, batch: in
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.eos_token_id,
             )
-        for (a, b), ids in zip(chunk, out[:, inputs["input_ids"].shape[1] :].tolist()):
+        for ids in out[:, inputs["input_ids"].shape[1] :].tolist():
             if tokenizer.eos_token_id in ids:  # up to the first end of text: what follows is padding
                 ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
-            right.append(addition.answer(tokenizer.decode(ids)) == str(a + b))
-    return right
+            responses.append(tokenizer.decode(ids))
+    return responses
 
 
 def main():
@@ -197,6 +222,8 @@ def main():
     parser.add_argument("--shape", default="small", choices=sorted(tiny.SHAPES))
     parser.add_argument("--target", type=float, default=0.3, help="held-out greedy accuracy at which to stop")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--digits_mean", type=float, default=addition.DIGITS["mean"])
+    parser.add_argument("--digits_high", type=int, default=addition.DIGITS["high"])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--max_steps", type=int, default=5000)
@@ -209,6 +236,7 @@ def main():
         args.shape,
         args.target,
         args.seed,
+        dict(mean=args.digits_mean, high=args.digits_high),
         batch=args.batch,
         lr=args.lr,
         max_steps=args.max_steps,
