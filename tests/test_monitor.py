@@ -1,5 +1,5 @@
 """The benchmark samples only its own GPUs (CUDA_VISIBLE_DEVICES), so that several benchmarks can share a machine,
-and the host's busy CPU cores."""
+and the host's busy CPU cores; a run starts once its GPUs are free, or warns."""
 
 import statistics
 import subprocess
@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus
+from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus, wait_for_free_gpus
 
 
 def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
@@ -18,6 +18,16 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     assert visible_gpus(2) == [0, 1]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert visible_gpus(3) == [0, 1, 2]
+
+
+def test_a_run_waits_for_its_gpus_to_be_handed_back_and_names_the_ones_that_are_not():
+    """The readings stand in for NVML, which this CPU machine lacks: memory the previous run's processes still
+    held for two readings, then handed back; and memory another process keeps."""
+    readings = iter([[(0, 40.0), (1, 0.5)], [(0, 12.0), (1, 0.5)], [(0, 0.6), (1, 0.5)]])
+    started = time.time()
+    assert wait_for_free_gpus(wait_s=30, read=lambda: next(readings)) == []
+    assert 1.5 < time.time() - started < 10  # it polled, a second apart, and stopped once they were free
+    assert wait_for_free_gpus(wait_s=0, read=lambda: [(0, 0.6), (3, 40.0)]) == [(3, 40.0)]
 
 
 def test_host_cpu_samples_count_the_busy_cores():

@@ -30,7 +30,7 @@ import time
 from tqdm import tqdm
 
 from openrlhf_oppo.bench import learning, report
-from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus
+from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus, wait_for_free_gpus
 from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
 from openrlhf_oppo.bench.systems import (
     COLOCATED_ONLY,
@@ -221,6 +221,15 @@ def run_system(system, flags, args) -> dict:
     # them, or its steps would take the keys and files that only the run before it wrote.
     for folder in ("tb", "trace"):
         shutil.rmtree(os.path.join(args.scratch, folder, system), ignore_errors=True)
+    busy = wait_for_free_gpus()
+    if busy:
+        print(
+            f"[bench] warning: {system} starts with "
+            + ", ".join(f"GPU {i} with {gib:.1f} GiB in use" for i, gib in busy)
+            + ": vLLM sizes its KV cache from the memory free at its start, and another process that allocates"
+            " or frees memory on the GPU can fail that start or shrink the cache; run one benchmark per GPU",
+            flush=True,
+        )
     started, logged = time.time(), 0
     with GPUMonitor() as monitor, open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -242,6 +251,7 @@ def run_system(system, flags, args) -> dict:
         flags=flags,
         returncode=process.returncode,
         wall_s=time.time() - started,
+        gpu_gib_in_use_at_start=busy,  # the GPUs that were not free as the run started (``wait_for_free_gpus``)
         steps=steps,
         log_tail=open(log_path, errors="replace").read()[-4000:],
         gpu_samples=_window(monitor.samples, measured),

@@ -56,6 +56,33 @@ class GPUMonitor:
         return [sum(column) / len(window) for column in zip(*window)]
 
 
+def memory_in_use() -> list:
+    """``(NVML index, GiB used)`` of each of this run's GPUs; empty where NVML is absent."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        indices = visible_gpus(pynvml.nvmlDeviceGetCount())
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+        return [(i, pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30) for i, h in zip(indices, handles)]
+    except Exception:  # noqa: BLE001 - no NVIDIA driver: a CPU machine
+        return []
+
+
+def wait_for_free_gpus(wait_s: float = 30.0, min_gib: float = 2.0, read=memory_in_use) -> list:
+    """Wait up to ``wait_s`` until no GPU of this run holds more than ``min_gib`` GiB, and return the ones that
+    still do (``(index, GiB)``). vLLM sizes its KV cache from the memory it profiles at start-up: memory that
+    the previous run's processes have not yet handed back, or that another run on the GPU allocates or frees
+    meanwhile, fails the start or shrinks the cache. (The benchmark's own process keeps its CUDA context, well
+    under ``min_gib``.)"""
+    deadline = time.time() + wait_s
+    while True:
+        busy = [(i, gib) for i, gib in read() if gib > min_gib]
+        if not busy or time.time() >= deadline:
+            return busy
+        time.sleep(1.0)
+
+
 def visible_gpus(count: int) -> list:
     """NVML indices of the GPUs this run may use: CUDA_VISIBLE_DEVICES where it lists indices (one machine
     can then hold several benchmarks side by side, each sampling only its own GPUs), else all of them."""
