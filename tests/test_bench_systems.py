@@ -280,7 +280,7 @@ def test_a_system_run_again_reads_its_own_steps_only(tmp_path, monkeypatch):
         writer.add_scalar("train/oppo/state_moves_wait_s", 1.5, 1)
     args = Namespace(scratch=str(tmp_path), warmup=0, steps=1, timeout=120)
     result = run_system("oppo-both", ["--no.such_flag"], args)  # the second run stops at its parser
-    assert result["returncode"] != 0 and "no.such_flag" in result["log_tail"]
+    assert result["returncode"] != 0 and "no.such_flag" in result["log_tail"] and not result["stopped_by_harness"]
     assert result["steps"] == [] and result["summary"] == {}
 
 

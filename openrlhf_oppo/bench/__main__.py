@@ -230,7 +230,7 @@ def run_system(system, flags, args) -> dict:
             " or frees memory on the GPU can fail that start or shrink the cache; run one benchmark per GPU",
             flush=True,
         )
-    started, logged = time.time(), 0
+    started, logged, stopped = time.time(), 0, False
     with GPUMonitor() as monitor, open(log_path, "w") as log:
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -242,6 +242,7 @@ def run_system(system, flags, args) -> dict:
                 logged += 1
                 bar.update(1)
             if logged >= wanted or time.time() - started > args.timeout:
+                stopped = True  # the run goes on: ``_stop`` ends it, and its exit code is the signal's
                 break
         bar.close()
         _stop(process)
@@ -250,6 +251,7 @@ def run_system(system, flags, args) -> dict:
     result = dict(
         flags=flags,
         returncode=process.returncode,
+        stopped_by_harness=stopped,
         wall_s=time.time() - started,
         gpu_gib_in_use_at_start=busy,  # the GPUs that were not free as the run started (``wait_for_free_gpus``)
         steps=steps,
