@@ -81,6 +81,23 @@ def test_the_warm_ups_accuracy_is_told_by_digits():
     assert warmup.accuracy_by_digits(pairs[:2], [True, True]) == {"1-3": 1.0}  # only the bands it has
 
 
+def test_a_sum_is_learnable_where_one_of_its_samples_is_right():
+    pairs = [(1, 2), (34, 5), (1234, 5)]
+    sampled = [[True, False, False, False], [False] * 4, [True, True, False, True]]
+    summary = warmup.sampled_summary(pairs, sampled)
+    assert summary["sampled_accuracy"] == (1 / 4 + 0 + 3 / 4) / 3
+    assert summary["pass_at_samples"] == 2 / 3
+    assert summary["sampled_accuracy_by_digits"] == {"1-3": 1 / 8, "4-6": 3 / 4}
+    assert summary["pass_at_samples_by_digits"] == {"1-3": 1 / 2, "4-6": 1.0}
+    warm = dict(steps=100, seconds=60, accuracy=0.3, device="NVIDIA H200", **summary)
+    results = _results({("upstream-sync", 0): ([0.2, 0.4], 2.0)})
+    results["task"]["warmup"] = warm
+    text = learning_report.table(results)
+    assert "33.3% of the responses are right and 66.7% of the sums have one right in 8 (1-3 50%, 4-6 100%)" in text
+    del warm["pass_at_samples"]  # warm-ups from before did not sample: their line says nothing of it
+    assert "have one right" not in learning_report.table(results)
+
+
 def test_steps_credit_grows_with_the_steps_right_in_their_place():
     prompt, right = addition.prompt(5821, 967), addition.solution(5821, 967)
     chain = right.split(";")[0].split(",")
@@ -109,6 +126,10 @@ def test_warm_up_is_cached_with_its_settings(tmp_path):
         prompt, response = text[: text.index("=") + 1], text[text.index("=") + 1 :]
         a, b = addition.operands(prompt)
         assert addition.answer(response) != str(a + b)
+    # Sampled as PPO samples: a sum with a right sample among 8 is at least as common as a right sample.
+    assert 0 <= first["sampled_accuracy"] <= first["pass_at_samples"] <= 1
+    assert set(first["sampled_accuracy_by_digits"]) == set(first["pass_at_samples_by_digits"]) == {"1-3"}
+    assert first["settings"]["samples"] == 8
     assert (tmp_path / "models" / "reward" / "config.json").exists()
     saved_at = os.path.getmtime(actor)
     assert warmup.warm_up(str(tmp_path), "tiny", 0.9, **options) == first

@@ -141,7 +141,7 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
     digits = dict(mean=args.digits_mean, high=args.digits_high)
     warm = warmup.warm_up(
         workdir, args.shape, args.warmup_target, args.seed, digits, max_steps=args.warmup_max_steps,
-        **(warmup_options or {}),
+        samples=args.n_samples, **(warmup_options or {}),
     )  # fmt: skip
     prompts = addition.write_prompts(
         os.path.join(workdir, "prompts.jsonl"), args.batch * (args.steps + 2), args.seed, args.credit, **digits

@@ -8,7 +8,8 @@ on the response only) and stops once its greedy accuracy on held-out sums reache
 gets some sums right and many wrong, which PPO can improve. It writes ``DIR/models/actor`` (the policy and
 reference), ``DIR/models/reward`` (the actor's body with a fresh value head: the critic's starting point, as
 ``tiny.make_checkpoints`` builds it) and ``DIR/warmup.json`` (accuracy per evaluation, overall and by the
-longer number's digits, steps, seconds, and a few wrong responses of each band). A second run with the same
+longer number's digits, steps, seconds, a few wrong responses of each band, and how often ``samples`` responses
+sampled as PPO samples them get each held-out sum right: what PPO can learn from). A second run with the same
 settings reuses them.
 """
 
@@ -36,12 +37,13 @@ def warm_up(
     eval_every: int = 10,
     heldout: int = 256,
     dtype: str = "bfloat16",
+    samples: int = 8,
 ) -> dict:
     """Train until the held-out greedy accuracy reaches ``target`` (or ``max_steps``), save, return the summary."""
     settings = dict(
         shape=shape, target=target, seed=seed, digits=dict(addition.DIGITS, **(digits or {})), batch=batch, lr=lr
     )
-    settings.update(max_steps=max_steps, eval_every=eval_every, heldout=heldout, dtype=dtype)
+    settings.update(max_steps=max_steps, eval_every=eval_every, heldout=heldout, dtype=dtype, samples=samples)
     summary_path = os.path.join(workdir, "warmup.json")
     actor_dir, reward_dir = os.path.join(workdir, "models", "actor"), os.path.join(workdir, "models", "reward")
     if os.path.exists(summary_path) and os.path.exists(os.path.join(reward_dir, "config.json")):
@@ -103,6 +105,8 @@ def warm_up(
     saved = Qwen2ForCausalLM.from_pretrained(actor_dir, dtype=torch.float32).to(device)
     responses = greedy_responses(saved, tokenizer, tests, max_new_tokens, device)
     right = right_answers(tests, responses)
+    torch.manual_seed(seed)
+    sampled = sampled_right(saved, tokenizer, tests, samples, max_new_tokens, device)
     summary = dict(
         settings=settings,
         steps=step,
@@ -113,6 +117,10 @@ def warm_up(
         accuracy_by_digits=accuracy_by_digits(tests, right),
         # How it gets them wrong: whether a long sum's chain goes astray at its first steps or at the answer.
         wrong_by_digits=wrong_by_digits(tests, responses, right),
+        # PPO's samples: at temperature 1 the model gets fewer sums right than greedily (sampled_accuracy), and a
+        # sum is learnable where one of its group's samples gets it right (pass_at_samples): with the answer's
+        # credit, the accuracy PPO can reach soon is about pass_at_samples.
+        **sampled_summary(tests, sampled),
         reached_target=accuracy >= target,
         history=history,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -127,7 +135,12 @@ def warm_up(
         json.dump(summary, f, indent=1)
     if not summary["reached_target"]:
         print(f"[warm-up] stopped at {max_steps} steps below the target accuracy {target:.0%}", flush=True)
-    print(f"[warm-up] saved {actor_dir}: held-out accuracy {summary['accuracy']:.1%}", flush=True)
+    print(
+        f"[warm-up] saved {actor_dir}: held-out accuracy {summary['accuracy']:.1%}; of {samples} samples per sum"
+        f" {summary['sampled_accuracy']:.1%} right, a sum with one right sample {summary['pass_at_samples']:.1%}"
+        f" ({', '.join(f'{k} digits {v:.0%}' for k, v in summary['pass_at_samples_by_digits'].items())})",
+        flush=True,
+    )
     return summary
 
 
@@ -193,6 +206,37 @@ def right_answers(pairs, responses: list) -> list:
 
 def greedy_responses(model, tokenizer, pairs, max_new_tokens: int, device, batch: int = 256) -> list:
     """The greedy response to each of ``pairs``, up to its first end of text (included, where it has one)."""
+    return _responses(model, tokenizer, pairs, max_new_tokens, device, batch, do_sample=False)
+
+
+def sampled_right(model, tokenizer, pairs, samples: int, max_new_tokens: int, device, batch: int = 256) -> list:
+    """For each of ``pairs``, whether each of ``samples`` responses sampled at temperature 1 over the whole vocabulary
+    (as the PPO runs sample, OpenRLHF's default ``--rollout.temperature``) gives the right sum and ends."""
+    responses = _responses(
+        model, tokenizer, pairs, max_new_tokens, device, max(1, batch // samples),
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=samples,
+    )  # fmt: skip
+    return [
+        right_answers([pair] * samples, responses[i * samples : (i + 1) * samples]) for i, pair in enumerate(pairs)
+    ]
+
+
+def sampled_summary(pairs, sampled: list) -> dict:
+    """``sampled_right``'s results as shares: of all samples, and of sums with at least one right, overall and by
+    the longer number's digits."""
+    share = [sum(oks) / len(oks) for oks in sampled]
+    anyone = [any(oks) for oks in sampled]
+    return dict(
+        sampled_accuracy=sum(share) / len(share),
+        sampled_accuracy_by_digits=accuracy_by_digits(pairs, share),
+        pass_at_samples=sum(anyone) / len(anyone),
+        pass_at_samples_by_digits=accuracy_by_digits(pairs, anyone),
+    )
+
+
+def _responses(model, tokenizer, pairs, max_new_tokens: int, device, batch: int, **sampling) -> list:
+    """The responses ``model.generate`` gives ``pairs`` with ``sampling``, in order, each up to its first end of
+    text (included, where it has one)."""
     import torch
 
     model.eval()
@@ -205,9 +249,9 @@ def greedy_responses(model, tokenizer, pairs, max_new_tokens: int, device, batch
             out = model.generate(
                 **inputs,
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.eos_token_id,
+                **sampling,
             )
         for ids in out[:, inputs["input_ids"].shape[1] :].tolist():
             if tokenizer.eos_token_id in ids:  # up to the first end of text: what follows is padding
@@ -230,6 +274,9 @@ def main():
     parser.add_argument(
         "--eval_every", type=int, default=10, help="steps between evaluations: how far past the target it may stop"
     )
+    parser.add_argument(
+        "--samples", type=int, default=8, help="responses sampled per held-out sum once saved (PPO's group size)"
+    )
     args = parser.parse_args()
     summary = warm_up(
         args.out,
@@ -241,6 +288,7 @@ def main():
         lr=args.lr,
         max_steps=args.max_steps,
         eval_every=args.eval_every,
+        samples=args.samples,
     )
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
 
