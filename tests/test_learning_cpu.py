@@ -45,7 +45,7 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
     warm = results["task"]["warmup"]
     assert warm["reached_target"] and warm["accuracy"] > 0, warm["history"]
     again = warmup.warm_up(
-        str(out / "workload"), "tiny", 0.2, 0, dict(mean=1.5, high=2), max_steps=600, **WARMUP
+        str(out / "workload"), "tiny", 0.2, 0, dict(mean=1.5, high=2), max_steps=600, samples=N_SAMPLES, **WARMUP
     )  # fmt: skip
     assert again == warm
 

@@ -177,7 +177,7 @@ def table(results: dict) -> str:
         f" accuracy {' / '.join(starts)} on held-out sums"
         + (" (the runs started from warm-ups trained separately)" if len(starts) > 1 else "")
         + _by_digits(warm)
-        + _sampled(warm, settings["n_samples"])
+        + _sampled(warm)
         + f". Prompts: digits up to {prompts['digits']['high']}"
         f" (lognormal, mean {prompts['digits']['mean']:g}); right responses mean {prompts['mean_length']:.0f}"
         f" tokens, p90 {prompts['p90_length']}, max {prompts['max_length']}. Reward: "
@@ -257,18 +257,23 @@ def _by_digits(warm: dict) -> str:
     bands = warm.get("accuracy_by_digits")
     if not bands:
         return ""
-    return " (by the longer number's digits: " + ", ".join(f"{k} {v:.0%}" for k, v in bands.items()) + ")"
+    return f" (by the longer number's digits: {_bands(bands)})"
 
 
-def _sampled(warm: dict, samples: int) -> str:
+def _bands(bands: dict) -> str:
+    """Shares by the longer number's digits, as '1-3 54%, 4-6 0%'."""
+    return ", ".join(f"{k} {v:.0%}" for k, v in bands.items())
+
+
+def _sampled(warm: dict) -> str:
     """How often the warm-up's samples get the held-out sums right, where it was measured (warm-ups from before
     were not): the sums PPO can learn from are those with a right sample."""
     if "pass_at_samples" not in warm:
         return ""
-    bands = ", ".join(f"{k} {v:.0%}" for k, v in warm["pass_at_samples_by_digits"].items())
     return (
         f"; sampled at temperature 1, {warm['sampled_accuracy']:.1%} of the responses are right and"
-        f" {warm['pass_at_samples']:.1%} of the sums have one right in {samples} ({bands})"
+        f" {warm['pass_at_samples']:.1%} of the sums have one right in {warm['settings']['samples']}"
+        f" ({_bands(warm['pass_at_samples_by_digits'])})"
     )
 
 

@@ -95,7 +95,7 @@ def warm_up(
         )
         print(
             f"[warm-up] step {step}: loss {loss.item():.3f}, held-out accuracy {accuracy:.1%}"
-            f" ({', '.join(f'{k} digits {v:.0%}' for k, v in bands.items())}; {time.time() - started:.0f} s)",
+            f" ({_bands(bands)}; {time.time() - started:.0f} s)",
             flush=True,
         )
 
@@ -138,7 +138,7 @@ def warm_up(
     print(
         f"[warm-up] saved {actor_dir}: held-out accuracy {summary['accuracy']:.1%}; of {samples} samples per sum"
         f" {summary['sampled_accuracy']:.1%} right, a sum with one right sample {summary['pass_at_samples']:.1%}"
-        f" ({', '.join(f'{k} digits {v:.0%}' for k, v in summary['pass_at_samples_by_digits'].items())})",
+        f" ({_bands(summary['pass_at_samples_by_digits'])})",
         flush=True,
     )
     return summary
@@ -180,6 +180,11 @@ def accuracy_by_digits(pairs, right: list) -> dict:
         if oks:
             shares[addition.band_name(band)] = sum(oks) / len(oks)
     return shares
+
+
+def _bands(bands: dict) -> str:
+    """Shares by the longer number's digits, as '1-3 digits 54%, 4-6 digits 0%'."""
+    return ", ".join(f"{k} digits {v:.0%}" for k, v in bands.items())
 
 
 def wrong_by_digits(pairs, responses: list, right: list, per_band: int = 3) -> dict:
