@@ -1,24 +1,13 @@
 """What crosses processes between the trainer, the rollout actors and the scoring actors.
 
-The four models that score a rollout are named by their role, the same word in the options, the classes,
-the metrics and the traces: ``policy`` (old log-probs), ``critic`` (values), ``reward`` and ``reference``
-(log-probs for the KL term). Upstream's option groups call the policy ``actor`` and the reference ``ref``
-(``--actor.*``, ``--ref.*``).
+The four scoring models are named by role everywhere (options, classes, metrics, traces): ``policy`` (old
+log-probs), ``critic`` (values), ``reward`` and ``reference`` (log-probs for the KL term); upstream's option
+groups call the policy ``actor`` and the reference ``ref``.
 
-Settings, sent once when the trainer connects (``StreamCoordinator.connect``):
-
-* ``ScorerSettings``: how a scoring actor builds its scorer (``oppo_setup``);
-* ``StreamSettings``: how a rollout actor streams its sequences (``oppo_connect``).
-
-Messages, in the order a sequence meets them:
-
-* ``Chunk``: tokens of one sequence, from a rollout actor to one scoring actor per streamed role;
-* ``StreamInfo``: what the rollout actor says about a finished sample, returned with it to the trainer,
-  which files it on the rollout ``Experience`` as ``experience.stream``;
-* ``ScoredSequence``: a scoring actor's result for a finished sequence, collected by the trainer;
-* ``ScorerStats``: a scoring actor's counters, once a step;
-* ``ResourceReading``: the memory a rollout or scoring actor's process holds and the CPU time it has used,
-  once a step.
+Settings are sent once when the trainer connects (``ScorerSettings``, ``StreamSettings``). Messages, in the order
+a sequence meets them: ``Chunk`` (rollout -> scorer), ``StreamInfo`` (rollout -> trainer, filed as
+``experience.stream``), ``ScoredSequence`` (scorer -> trainer); ``ScorerStats`` and ``ResourceReading`` once a
+step.
 """
 
 import os
@@ -35,9 +24,8 @@ FROZEN_ROLES = ("reward", "reference")
 
 @dataclass
 class ScorerSettings:
-    """A scoring actor's scorer: the KV it may keep for streamed sequences (``--oppo.cache_budget_gb``), the
-    sampling temperature its log-probs divide by (``--rollout.temperature``), the tokens one prefill forward
-    takes (``--oppo.max_prefill_tokens``, ``--oppo.max_prefill_cached_tokens``), and whether it traces."""
+    """How a scoring actor builds its ``ChunkScorer`` (``--oppo.cache_budget_gb``, ``--rollout.temperature``,
+    ``--oppo.max_prefill_tokens``, ``--oppo.max_prefill_cached_tokens``)."""
 
     cache_budget_bytes: int
     temperature: float
@@ -48,10 +36,8 @@ class ScorerSettings:
 
 @dataclass
 class StreamSettings:
-    """How a rollout actor streams: tokens a chunk (``--oppo.chunk_size``), whether requests outlive weight updates
-    (inter-step overlap: prompts salted per version), its prefill calls in flight to one scoring actor and how long
-    it gathers chunks into one (``--oppo.prefill_calls_in_flight``, ``--oppo.flush_interval_ms``), and whether it
-    traces."""
+    """How a rollout actor streams (``--oppo.chunk_size``, ``--oppo.prefill_calls_in_flight``,
+    ``--oppo.flush_interval_ms``); ``salt_prompts`` where requests outlive weight updates."""
 
     chunk_size: int
     salt_prompts: bool
@@ -117,8 +103,8 @@ class ScoredSequence:
 class ScorerStats:
     """One scoring actor's counters: totals since set-up, and the prefill calls since the last report.
 
-    ``calls``: ``(wall-clock start, seconds, new tokens)`` per prefill call. ``waiting``: finished sequences not collected
-    yet; ``tombstones``: discarded sequences whose last chunk has not landed. Both stay small unless
+    ``calls``: ``(wall-clock start, seconds, new tokens)`` per prefill call. ``waiting``: finished sequences not
+    collected yet; ``tombstones``: discarded sequences whose last chunk has not landed. Both stay small unless
     something leaks.
     """
 
@@ -135,12 +121,9 @@ class ScorerStats:
 
 @dataclass
 class ResourceReading:
-    """What one actor's process holds and has used: what its tensors take on its GPU (``memory_allocated``),
-    what PyTorch's allocator has reserved there (``memory_reserved``, 0 without CUDA), how often that allocator
-    had to free its cache to satisfy a request since the start (``num_alloc_retries``: a fragmented GPU, which
-    slows training), its resident host memory, and the CPU seconds it and its child processes (a rollout
-    actor's vLLM engine core) have used since they started. vLLM's own GPU memory is fixed at start
-    (``--vllm.gpu_memory_utilization``) and lives in the engine's process, not the rollout actor's."""
+    """One actor process's GPU memory (PyTorch's allocated and reserved; ``num_alloc_retries`` counts cache
+    flushes, a sign of fragmentation), resident host memory, and CPU seconds with its children (the engine core).
+    vLLM's own GPU memory lives in the engine's process and is not counted here."""
 
     gpu_allocated_bytes: int
     gpu_reserved_bytes: int

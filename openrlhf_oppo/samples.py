@@ -1,15 +1,13 @@
 """Upstream's ``SamplesGenerator``, keeping what the OPPO rollout actor says about each sample.
 
-The rollout actor returns, with every response, a ``StreamInfo`` (``response["stream_info"]``): the sequence
-id its scores are filed under, the rank of each role that holds them, the weight versions that generated
-it and when its last token came out. ``Experience`` has no field for it, so it rides along as
-``experience.stream`` until the experience maker reads it (before upstream concatenates samples into
-micro-batches). The versions also go into ``info``, which the actor's training step logs. Evaluation
-samples are not streamed: nobody would collect their scores.
+Each response comes with a ``StreamInfo`` (``response["stream_info"]``): where its scores are filed, and the
+weight versions that generated it. ``Experience`` has no field for it, so it rides along as
+``experience.stream`` until the experience maker reads it, before upstream concatenates samples into
+micro-batches; the versions also go into ``info`` for the training log.
 
-Nor would anybody collect the scores of two kinds of streamed sequences, so the generator lists them
-(``take_dropped``) for the trainer to discard: the samples of groups that dynamic filtering drops, and
-the streams a rollout actor closed because training sees other tokens than it streamed (``replaced_uid``).
+Streamed sequences nobody will collect are listed (``take_dropped``) for the trainer to discard: the groups that
+dynamic filtering drops, and streams closed because training sees other tokens (``replaced_uid``). Evaluation
+samples are not streamed at all.
 """
 
 import dataclasses
@@ -80,11 +78,9 @@ class OPPOSamplesGenerator(SamplesGenerator):
         return accepted, prompts_consumed, exhausted
 
     def _dispatch_prompts_to_vllm(self, *args, **kwargs):
-        # Upstream passes the tokenizer with every generate_responses call: pickled here and unpickled
-        # by the rollout actor before each call starts (2.4 MB and 0.12 s for a 150k vocabulary on a CPU
-        # core), so a batch of calls reaches vLLM seconds apart. OPPO's rollout actors get it once and
-        # take None in its place. The flag is the one patches/openrlhf/0005 adds upstream: set, a patched
-        # upstream does not send the tokenizer again (it would send the None below).
+        # Upstream sends the tokenizer with every generate_responses call, and unpickling it before each call
+        # spreads a batch of calls out in time. OPPO's rollout actors get it once and take None in its place.
+        # The flag is the one patches/openrlhf/0005 adds: a patched upstream then does not send it again.
         self.coordinator.send_tokenizer(self.tokenizer)
         self._engines_have_tokenizer = True
         tokenizer, self.tokenizer = self.tokenizer, None

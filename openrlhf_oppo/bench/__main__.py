@@ -8,10 +8,10 @@ Each system is a ``train_ppo_ray`` run through OPPO's wrapper (see ``systems.py`
 checkpoints and prompts, whose labels fix every response's length (``max_tokens`` and ``ignore_eos``),
 so all systems decode exactly the same tokens. The first ``--warmup`` steps are not measured.
 
-Per system the harness keeps every logged step (OpenRLHF's tensorboard scalars: phase timings,
-``oppo/*``), the wall time between steps, GPU utilization sampled with NVML, the host's busy CPU cores,
-and the log's tail. It writes ``results.json`` (all of it, with the command, the code's commit, versions and
-GPU names), ``table.md`` and the plots (``python -m openrlhf_oppo.bench.report`` redraws them from any ``results.json``).
+Per system the harness keeps every logged step (OpenRLHF's tensorboard scalars: phase timings, ``oppo/*``), the
+wall time between steps, GPU utilization (NVML), the host's busy CPU cores and the log's tail. It writes
+``results.json`` (with the command, the code's commit, versions and GPU names), ``table.md`` and the plots
+(``python -m openrlhf_oppo.bench.report`` redraws them from any ``results.json``).
 
 With ``--task addition`` it runs the learning benchmark instead (``learning.py``, its own options): a supervised
 warm-up, then PPO with the task's rule reward for every system and seed, and the accuracy per step and minute.
@@ -94,7 +94,7 @@ def parse():
         "--oppo_tag",
         default="",
         help="appended after --tag to the OPPO systems' names only: what --oppo_extra changes, which the upstream "
-        "systems of the same run do not get (--oppo_tag=-vllm-0.15)",
+        "systems of the same run do not get (--oppo_tag=-chunk32)",
     )
     parser.add_argument(
         "--upstream_patches",

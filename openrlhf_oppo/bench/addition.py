@@ -7,24 +7,17 @@ one ``a+b+carry=sum`` step of 8 characters each, then gives the answer after ``;
 
 Why this task:
 
-* The answer is checked exactly, and so is every step of the chain. The reward (``reward_func``) is either the
-  share of the chain's steps and the answer that are right (``steps`` credit), or 1 for the right sum and 0
-  otherwise (``answer`` credit, the learning benchmark's default); the prompt's label says which. Either way
-  the share of right answers is logged as ``accuracy``. With answer credit, a group of samples that are all
-  right or all wrong (most short and most long sums) has no advantage to learn from; with steps credit the
-  samples of a long sum still differ in how many steps they get right.
-* The response grows with the number of digits (9 tokens a digit with the byte-level benchmark tokenizer), and
-  the digit counts are drawn from a lognormal: most sums are short, a few are long (mean about 6 digits and
-  60 tokens, half of them 41 tokens or fewer, up to 40 digits and 400 tokens; the longest of a step's 32
-  prompts is about 290 tokens). That long tail is what OPPO's overlap works on: the longest response sets how
-  long a batch decodes, the mean how long it trains.
-* Every step of the chain is the same small computation on two digits of the prompt and a carry, so a model of
-  a few million parameters learns it, and a partly trained one gets short sums right more often than long
-  ones: accuracy has room to rise under PPO, and the error of one step spoils the answer.
+* The answer, and every step of the chain, is checked exactly. The label picks the reward: 1 for the right sum
+  (``answer`` credit, the default) or the share of right steps (``steps`` credit, which still tells apart the
+  samples of a long sum whose answers are all wrong). The share of right answers is logged as ``accuracy``.
+* The response grows with the digits (9 tokens a digit with the byte-level tokenizer), drawn from a lognormal
+  (``DIGITS``): most sums are short, a few long. That long tail is what OPPO's overlap works on: the longest
+  response sets how long a batch decodes, the mean how long it trains.
+* Each step is the same small computation, so a model of a few million parameters learns it, and a partly
+  trained one gets short sums right more often than long ones: accuracy has room to rise under PPO.
 
-Sorting and copying with a rule were the alternatives: copying is learnt too well too soon, and sorting a long
-list needs a larger model. OpenRLHF loads this file by path (``--reward.remote_url .../addition.py``) and
-calls ``reward_func``, so it imports nothing of this package.
+OpenRLHF loads this file by path (``--reward.remote_url .../addition.py``) and calls ``reward_func``, so it
+imports nothing of this package.
 """
 
 import json
@@ -141,13 +134,11 @@ def score(prompt: str, response: str, label: str) -> float:
 def reward_func(queries, prompts, labels):
     """OpenRLHF's rule reward (``score``), given at the end of each response.
 
-    Logged beside it (``extra_logs``, a step's mean): ``accuracy``, the share of right answers whichever the
-    credit; ``first_token_end``, the share of responses that are the end of text alone (only a run sampled with
-    ``--rollout.min_new_tokens 0`` can have them; where the policy moves probability there, this is where it
-    shows: ``learning.first_token_flags``); and per ``DIGIT_BANDS`` band, the share of samples whose longer
-    number has that many digits (``share_digits_LO_HI``, ``_7_up`` for the last) and the share that have them
-    and are right (``right_digits_LO_HI``). OpenRLHF logs means over all of a step's samples, so the band's
-    accuracy is the ratio of the two (``learning_report.band_accuracy``)."""
+    Logged beside it (``extra_logs``): ``accuracy``; ``first_token_end``, responses that are the end of text
+    alone (possible only with ``--rollout.min_new_tokens 0``, see ``learning.first_token_flags``); and per
+    ``DIGIT_BANDS`` band the share of samples in it (``share_digits_LO_HI``) and of those right
+    (``right_digits_LO_HI``). OpenRLHF logs means over a step's samples, so a band's accuracy is their ratio
+    (``learning_report.band_accuracy``)."""
     import torch
 
     responses = [query[len(prompt) :] for query, prompt in zip(queries, prompts)]

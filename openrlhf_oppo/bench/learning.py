@@ -4,18 +4,12 @@
 
 1. Warm-up (``warmup.py``): a ``--shape`` model learns the addition task (``addition.py``) with supervised
    learning until its greedy accuracy on held-out sums reaches ``--warmup_target``; cached in the workload folder.
-2. PPO from that checkpoint with the task's rule reward (``--credit``: 1 for a right answer, or the share of the
-   chain's steps right; the share of right answers is logged as ``accuracy`` either way), for every system of
-   ``--systems`` and every seed of ``--seeds``
-   (``--train.seed``: vLLM's sampling and the prompt order), ``--steps`` steps each,
-   one run after the other, each a ``train_ppo_ray`` process as in the speed benchmark (``__main__.run_system``).
-   Responses end where the model ends them: no ``--bench.lengths_from_label``.
-   Every ``--eval_every`` steps each run is evaluated greedily on the warm-up's held-out sums (``eval_flags``).
-3. ``results.json`` after each run, then ``table.md`` (accuracy at the start and end, its rise, the step and
-   minutes at which the seeds reach ``--target``, whether the curve stays in upstream sync's seed band; the same
-   for the held-out accuracy; where upstream sync falls short of the target, the step and minutes at which each
-   system reaches sync's end accuracy) and the plots of accuracy against step and against wall-clock time, with
-   a band over the seeds (``learning_report.py``).
+2. PPO from that checkpoint with the task's rule reward (``--credit``), for every system of ``--systems`` and
+   every seed of ``--seeds`` (``--train.seed``: vLLM's sampling and the prompt order), one ``train_ppo_ray``
+   process after the other as in the speed benchmark. Responses end where the model ends them. Every
+   ``--eval_every`` steps each run is evaluated greedily on the warm-up's held-out sums (``eval_flags``).
+3. ``results.json`` after each run, then ``table.md`` and the plots of accuracy against step and wall-clock
+   time, with a band over the seeds (``learning_report.py``).
 
 The defaults are the GPU benchmark's; the CPU tests run the same function (``run``) scaled down, with a runner
 that drives OpenRLHF's trainer in-process on CPU stand-ins.
@@ -67,17 +61,15 @@ def parse(argv=None):
         choices=addition.CREDITS,
         default="answer",
         help="what the reward gives credit for: the right answer (1, else 0), or the share of the chain's steps (and "
-        "the answer) that are right. Steps credit learned no faster in a CPU check (docs/RESULTS.md). The held-out "
-        "evaluation always scores the answer",
+        "the answer) that are right. The held-out evaluation always scores the answer",
     )
-    # Held at 5e-5, no system rose by more than 7 points in four GPU runs, and the KL to the reference passed 0.1;
-    # held at 2e-5, upstream sync and OPPO rose by 16-19 points in 80 steps on one GPU (docs/RESULTS.md).
+    # Higher rates drive the policy away from the reference without more right answers (docs/benchmark.md).
     parser.add_argument("--lr", type=float, default=2e-5, help="the policy's learning rate in PPO")
     parser.add_argument(
         "--lr_scheduler",
         default="constant_with_warmup",
         help="the policy's learning-rate schedule (--actor.lr_scheduler). OpenRLHF's default, cosine_with_min_lr, "
-        "falls to a tenth of --lr by a run's last step, where the held-out accuracy was still rising",
+        "falls to a tenth of --lr by a run's last step, while the accuracy may still be rising",
     )
     parser.add_argument(
         "--updates", type=int, default=4, help="policy updates a step, each on an equal share of its samples"
@@ -111,10 +103,9 @@ def parse(argv=None):
     args.systems = args.systems or ",".join(LEARNING_SYSTEMS[args.placement])
     refuse_what_the_placement_cannot_run(parser, args.systems, args.placement)
     args.warmup = 0  # every PPO step counts (``run_system`` reads it)
-    # Split: Delta equal to the batch, so that the next step's groups decode while this one trains (the speed runs'
-    # setting). Colocated, the awake system starts the next step's prompts at the step's end, and the small model
-    # decodes them all during training: with Delta equal to the batch, 58-64 groups were done when each step
-    # began, the step trained the 32 carried longest, and its samples were 2 versions behind (docs/RESULTS.md).
+    # Split: Delta equal to the batch, so that the next step's groups decode while this one trains. Colocated, the
+    # awake engines decode the next step's prompts during training anyway: a Delta as large would have each step
+    # train groups two versions behind.
     if args.overcommit is None:
         args.overcommit = args.batch if args.placement == "split" else max(1, args.batch // 8)
     return args
@@ -146,10 +137,9 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
     prompts = addition.write_prompts(
         os.path.join(workdir, "prompts.jsonl"), args.batch * (args.steps + 2), args.seed, args.credit, **digits
     )
-    # The training accuracy is over the samples each step trains; OPPO trains each step's first groups to finish,
-    # the short sums first. The held-out accuracy is measured on one prompt set for every system: the sums the
-    # warm-up was evaluated on, so that its curve starts where the warm-up ended. Their labels give credit for the
-    # answer alone, since OpenRLHF's pass@1 is the mean reward.
+    # OPPO trains each step's first groups to finish (the short sums first), so the training accuracy depends on
+    # the system: the held-out sums, the warm-up's, are the same for every system. Their labels credit the answer
+    # alone, since OpenRLHF's pass@1 is the mean reward.
     heldout = addition.write_prompts(
         os.path.join(workdir, "heldout.jsonl"), warm["settings"]["heldout"], args.seed + warmup.HELDOUT_SEED, **digits
     )
@@ -198,25 +188,21 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
             "--rollout.batch_size", str(args.batch),
             "--rollout.n_samples_per_prompt", str(args.n_samples),
             "--rollout.micro_batch_size", str(min(32, samples)),
-            # --updates policy updates a step (4), each on an equal share of the step's samples in one micro-batch:
-            # the small model's training is bound by launches (1.4 s a step with micro-batches of 16 on an H200).
+            # --updates policy updates a step, each on its share of the samples in one micro-batch: the small
+            # model's training is bound by kernel launches, so fewer, larger micro-batches are faster.
             "--train.batch_size", str(update),
             "--train.micro_batch_size", str(update),
             "--train.max_epochs", "1",
             # Advantages against the other samples of the prompt: no critic to learn first.
             "--algo.advantage.estimator", "group_norm",
-            # The KL to the reference as a loss, as OpenRLHF's GRPO recipe has it, not in the reward: group_norm
-            # normalises the task's reward only, so a KL penalty in the reward reaches the returns with no baseline.
-            # In a group whose samples are all wrong, every token's return is then minus the KL summed after it,
-            # largest at the first token: each step pushes the sampled tokens down, more so the longer the
-            # response. In a GPU run (docs/RESULTS.md) upstream sync's KL rose from 0.04 to 0.56 while its
-            # responses shrank from 66 tokens to 32 and none got more right.
+            # The KL as a loss (OpenRLHF's GRPO recipe), not in the reward: group_norm normalises the task's reward
+            # only, so in a group whose samples are all wrong every token's return would be minus the KL summed
+            # after it, pushing the sampled tokens down, the more so the longer the response.
             "--algo.kl.use_loss",
             "--algo.kl.estimator", "k3",
             "--algo.kl.init_coef", "0.01",
-            # Samples decoded by older weights than the ones that score them (upstream async always, OPPO's
-            # carried ones) are weighted by pi_train/pi_rollout, clipped (OpenRLHF's TIS): without it upstream
-            # async diverged on this task. Every system gets it; where nothing is stale the weight is about 1.
+            # Samples decoded by older weights (upstream async's, OPPO's carried ones) are weighted by
+            # pi_train/pi_rollout, clipped (OpenRLHF's TIS). Every system gets it; where nothing is stale it is ~1.
             "--algo.advantage.is_correction_level", "token",
             "--algo.advantage.is_correction_mode", "clip",
             "--actor.adam.lr", str(args.lr),
@@ -232,12 +218,9 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
 def first_token_flags(patched: bool) -> list:
     """Responses that may end at their first token, where the patches give upstream the flag (0015).
 
-    Upstream samples with vLLM's min_tokens=1, which masks the end of text at the first token; the importance
-    correction above then takes vLLM's log-prob of that token without the end of text's probability, and a
-    response that ends there is never sampled, so never corrected. In a GPU run on this task (docs/RESULTS.md)
-    the responses became a stray first token and the end of text, the correction filtered half of their tokens,
-    and vLLM's log-probs exceeded the policy's by 5 nats a token: what that mask leaves when the policy puts
-    nearly all its first-token probability on the end of text."""
+    Upstream samples with vLLM's min_tokens=1, which masks the end of text at the first token: the importance
+    correction then takes a first-token log-prob without that probability, and a response ending there is never
+    sampled, so never corrected. A policy can drift towards it unseen."""
     return ["--rollout.min_new_tokens", "0"] if patched else []
 
 

@@ -1,8 +1,7 @@
 """A copy of the installed OpenRLHF with ``patches/openrlhf`` applied (``--upstream_patches``).
 
-The patches are the upstream changes OPPO would like merged (hooks, and fixes such as sending the
-tokenizer to the rollout actors once). Some of them make upstream itself faster, so a benchmark run on
-the patched copy compares OPPO with the upstream that would ship them, not only with 0.11.2 as published.
+The patches are the upstream changes OPPO would like merged (hooks and fixes). Some make upstream itself
+faster, so a run on the patched copy compares OPPO with the upstream that would ship them.
 """
 
 import shutil

@@ -1,11 +1,9 @@
 """``--bench.seed_prompt_order``: the same prompt order in every run of the same ``--train.seed``.
 
-Upstream's trainer actor builds its prompt dataloader with ``strategy.setup_dataloader``, which shuffles
-with the process's default generator where no distributed sampler is set up (the trainer is not a
-``torch.distributed`` rank), and torch seeds that generator at random in each process. So a step's
-prompts differ between two runs of one command, and so between the systems a benchmark compares. This
-strategy seeds that sampler from ``--train.seed``; everything else is upstream's. It travels to the
-actors with the pickled strategy (by reference to this module), so it reaches every trainer, sync or async.
+Upstream's trainer actor is not a ``torch.distributed`` rank, so ``strategy.setup_dataloader`` shuffles with the
+process's randomly seeded default generator: a step's prompts differ between two runs of one command, and so
+between the systems a benchmark compares. This strategy seeds that sampler from ``--train.seed``. It reaches
+every trainer, sync or async, with the pickled strategy.
 """
 
 import torch

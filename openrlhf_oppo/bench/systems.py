@@ -10,21 +10,19 @@ that is upstream OpenRLHF (``--bench.lengths_from_label`` only fixes the respons
 * ``colocated``: everything on every GPU, upstream's hybrid engine (vLLM and DeepSpeed sleep in turn). With
   ``ds_sleep=False`` the models' DeepSpeed states stay on the GPU in every system (no ``--ds.enable_sleep``).
 
-In the split placement the OPPO systems put the reward and reference models on the vLLM GPUs
-(``--oppo.frozen_scorers_on auto``); ``oppo-both-frozen-with-models`` keeps them with the other models, as
-the upstream systems do. ``oppo-both-early`` is ``oppo-both`` with ``--oppo.top_up step_end``: the next step's
-prompts start decoding during training (split placement only). ``oppo-both-keep`` is ``oppo-both`` with
-``--oppo.carry_kv keep``: carried requests keep the KV cache computed with the previous weights (split placement
-only: the colocated engines sleep, which drops it). ``oppo-both-awake`` (colocated placement only) keeps vLLM
-awake through training (no ``--vllm.enable_sleep``), its carried requests and the next step's prompts decoding
-beside the models' training but not while they make the step's experiences (``--oppo.colocated_decode
-during_training --oppo.top_up step_end``; ``--oppo_extra`` with ``continue`` decodes beside both).
-``oppo-both-awake-keep`` is ``oppo-both-awake`` with ``--oppo.carry_kv keep``: awake engines keep the KV cache, so
-the requests in flight at the weight sync (the next step's, started during training) go on from it.
-``oppo-inter-awake`` is the same without intra-step streaming: what streaming adds where the groups a step trains
-finished decoding during the previous training, when the models could not score their chunks. Every system gets
-the same vLLM memory share, small enough for the frozen models to fit beside the engines (the awake systems may
-need a smaller one, through ``--oppo_extra``, to leave training its room).
+Variants of ``oppo-both``:
+
+* ``-frozen-with-models`` (split): the reward and reference models stay with the other models, as upstream's;
+  otherwise they go beside vLLM (``--oppo.frozen_scorers_on auto``).
+* ``-early`` (split): ``--oppo.top_up step_end``, the next step's prompts decode during training.
+* ``-keep`` (split; colocated engines sleep, which drops the KV): ``--oppo.carry_kv keep``, carried requests
+  keep the KV cache of the previous weights.
+* ``-awake`` (colocated): vLLM stays awake (no ``--vllm.enable_sleep``) and decodes beside training, not beside
+  making experiences (``--oppo.colocated_decode during_training --oppo.top_up step_end``); ``-awake-keep`` adds
+  ``--oppo.carry_kv keep``. ``oppo-inter-awake`` is ``-awake`` without intra-step streaming.
+
+Every system gets the same vLLM memory share, small enough for the frozen models to fit beside the engines (the
+awake systems may need a smaller one, through ``--oppo_extra``, to leave training its room).
 """
 
 SYSTEMS = (

@@ -2,15 +2,12 @@
 
     python -m openrlhf_oppo.bench.warmup --out DIR [--shape small] [--target 0.3] [--digits_mean 6]
 
-Plain PyTorch, on the GPU if there is one, else the CPU. A random-init model of a ``tiny.SHAPES`` shape and the
-byte-level benchmark tokenizer (no downloads) is trained on fresh sums every step (``addition.problems``, loss
-on the response only) and stops once its greedy accuracy on held-out sums reaches ``target``: a model that
-gets some sums right and many wrong, which PPO can improve. It writes ``DIR/models/actor`` (the policy and
-reference), ``DIR/models/reward`` (the actor's body with a fresh value head: the critic's starting point, as
-``tiny.make_checkpoints`` builds it) and ``DIR/warmup.json`` (accuracy per evaluation, overall and by the
-longer number's digits, steps, seconds, a few wrong responses of each band, and how often ``samples`` responses
-sampled as PPO samples them get each held-out sum right: what PPO can learn from). A second run with the same
-settings reuses them.
+Plain PyTorch, on the GPU if there is one. A random-init ``tiny.SHAPES`` model with the byte-level benchmark
+tokenizer (no downloads) trains on fresh sums every step (loss on the response only) until its greedy accuracy
+on held-out sums reaches ``target``: it gets some sums right and many wrong, which PPO can improve. It writes
+``DIR/models/actor``, ``DIR/models/reward`` (as ``tiny.make_checkpoints`` builds them) and ``DIR/warmup.json``
+(accuracy by digits, a few wrong responses, and how often ``samples`` responses sampled as PPO samples them get
+each sum right: what PPO can learn from). A second run with the same settings reuses them.
 """
 
 import argparse

@@ -1,32 +1,22 @@
 """Choosing the chunk size (``--oppo.chunk_size auto``).
 
-The smaller the chunk, the less is left to score after a sequence's last token: its last chunk is
-what make_experience waits for. But every prefill call costs a fixed overhead (a Ray call, a padded
-batch, kernel launches), and calls come more often as chunks shrink. So a larger chunk trades call
-overhead, which it saves only where calls are what keeps a scoring actor busy, for a larger last chunk,
-which is always paid after the last token.
+A smaller chunk leaves less to score after a sequence's last token (its last chunk is what make_experience
+waits for), but every prefill call has a fixed cost (a Ray call, a padded batch, kernel launches). A larger
+chunk saves that cost only where calls are what keeps a scoring actor busy; its larger last chunk is always paid.
 
-Each step every scoring actor reports its prefill calls ``(start, seconds, new tokens)``, timed where
-they ran. Its utilization ``u`` is its busy time over the window its calls cover, from the first
-call's start to the last call's end. (Not over the step's generation phase, which the calls outlast:
-they run on through the flush in make_experience, and under inter-step overlap the phase is only the
-wait for the B-th group. Read that way, utilizations of 1.01-1.61 were logged on GPU.) A least-squares
-fit ``seconds = a + b * tokens`` splits ``u`` into a per-call part ``p`` and a per-token part ``q``.
-At chunk size ``C`` calls come ``C0 / C`` times as often as at the current ``C0``; the tokens stay:
+Each step every scoring actor reports its prefill calls ``(start, seconds, new tokens)``. Its utilization ``u``
+is its busy time over the window its calls cover (not the generation phase, which the calls outlast through
+make_experience's flush). A least-squares fit ``seconds = a + b * tokens`` splits ``u`` into a per-call part
+``p`` and a per-token part ``q``; at chunk size ``C`` calls come ``C0 / C`` times as often as at the current
+``C0``:
 
     u(C) = p * C0 / C + q
 
-We move one candidate per step towards the smallest ``C`` with ``u(C) <= target`` for every actor.
-If there is none, an actor's tokens alone keep it over the target (re-prefilling carried sequences
-under new weights, catching up on chunks held through training), and no chunk size changes that. A
-larger one would save calls that at such a load coalesce anyway (a busy actor takes every chunk queued
-behind a call into its next one), and it would surely grow the last chunk: the size stays. (Taking the
-largest candidate here is what drove the size to 1024 and 2048 on GPU.)
-
-Actors on one GPU are called together (every chunk goes to each model) and each one's call times
-include the others' kernels, so each one's utilization is the GPU's: we take the busiest, not the sum.
-The paper instead tries a few sizes every 50 steps and keeps the fastest; this reaches a choice from
-one step's measurements, without spending steps on bad candidates, and follows the lengths as they drift.
+We move one candidate per step towards the smallest ``C`` with ``u(C) <= target`` for every actor. If there is
+none, the actor's tokens alone keep it busy, a busy actor coalesces queued chunks anyway, and a larger chunk
+would only grow the last one: the size stays. Actors on one GPU are called together and each one's call times
+include the others' kernels, so we take the busiest, not the sum. The paper instead tries a few sizes every 50
+steps; this decides from one step's measurements and follows the lengths as they drift.
 """
 
 from typing import Dict, List, Optional, Tuple

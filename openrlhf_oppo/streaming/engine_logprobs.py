@@ -1,22 +1,17 @@
 """The policy's log-probs from the rollout engine itself (``--oppo.policy_logprobs vllm``).
 
-The policy's log-probs of a batch must come from the weights that batch trains on: those of the last weight
-sync. Where a whole batch decodes while the models train, the policy's ranks can only prefill it after the
-sync, on the GPUs where the critic prefills it too. By then vLLM holds the same weights, and its GPUs have
-nothing left to decode for that batch. Here the engine scores each finished sequence with vLLM's prompt
-log-probs (a one-token request over prompt and response), so the policy's share of that prefill moves to
-the engines' GPUs.
+A batch's policy log-probs must come from the weights it trains on. Where a batch decodes while the models
+train, the policy's ranks can only prefill it after the weight sync, beside the critic; by then vLLM holds the
+same weights and is idle. So the engine scores each finished sequence with vLLM's prompt log-probs (a one-token
+request over prompt and response), moving the policy's prefill to the engines' GPUs.
 
-vLLM's kernels are not the training forward's, so in bf16 these log-probs match upstream's to the noise
-between kernels, not to OPPO's own scorer's (``docs/design.md``, "Equal scores"). vLLM's prompt log-probs
-come from the raw logits: the sampling temperature must be 1 (``config.validate``).
+Pitfalls: vLLM's kernels are not the training forward's, so in bf16 these match upstream's only to kernel noise
+(``docs/design.md``, "Equal scores"); prompt log-probs come from raw logits, so the temperature must be 1
+(``config.validate``); vLLM refuses a prompt that fills ``max_model_len``, so a response cut at the length limit
+gets no score here and the experience maker scores it with the policy's forward.
 
-A sequence is scored with the engine's weight version when it is scored; one collected under a newer version
-is scored again, as the scoring actors do (``StreamingScorerMixin.oppo_collect``). While the policy's chunks
-are held (training: the weights are about to change) nothing is scored; the trainer releases the engines as
-soon as the weight sync ends (``OPPOTrainer.broadcast_to_vllm``). vLLM refuses a prompt that fills its
-``max_model_len`` (no room for the token a request decodes): such a sequence, a response cut at the length
-limit, gets no score here, and the experience maker scores it with the policy's forward.
+A sequence scored with older weights than the engine's when it is collected is scored again. Nothing is scored
+while the policy's chunks are held (training); the trainer releases them once the weight sync ends.
 """
 
 import asyncio
@@ -80,10 +75,8 @@ class EngineLogprobs:
             self.refresh()
 
     def refresh(self) -> None:
-        """Score again, with the engine's current weights, every sequence scored with older ones: those of the
-        oldest samples first, then in the order they finished. The next step trains the groups carried longest
-        first (``OvercommitSamplesGenerator._in_take_order``), and vLLM schedules the requests as they arrive:
-        its answer need not wait behind the groups a later step trains."""
+        """Score again, with the current weights, every sequence scored with older ones, oldest samples first:
+        the next step trains the groups carried longest first, and vLLM schedules requests as they arrive."""
         self.score(sorted(self.finished, key=lambda uid: self.finished[uid].first_version))  # stable: finish order
 
     def score(self, uids) -> None:

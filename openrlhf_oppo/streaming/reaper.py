@@ -1,10 +1,9 @@
 """The processes a rollout actor starts end with it.
 
-vLLM's engine core runs in a child process of the rollout actor and does not watch its parent. When the actor
-dies without a shutdown (Ray's head stopped, its raylet killed), nothing ends the engine core, which keeps its
-GPU memory. ``end_children_with_this_process`` starts a small watchdog, detached from the actor (a process
-group of its own) so that it outlives the actor, which stops those children once the actor's process is gone.
-It can go once vLLM's engine core watches its parent itself (vllm-project/vllm#55510).
+vLLM's engine core is a child process that does not watch its parent: when the actor dies without a shutdown
+(Ray's head stopped, its raylet killed), the engine core lives on and keeps its GPU memory. A watchdog in a
+process group of its own, so that it outlives the actor, stops those children once the actor is gone. It can
+go once vLLM's engine core watches its parent itself.
 """
 
 import os

@@ -1,20 +1,13 @@
 """The rollout actor: upstream's ``RolloutRayActor`` that streams each response in chunks while it decodes.
 
-Per sample (one ``executor.execute`` of ``generate_responses``) a ``SampleStream`` collects the tokens the
-engine emits (``RequestOutputKind.DELTA``) and hands every ``chunk_size`` of them to the scoring actors.
-``ChunkOutbox`` batches the chunks of all sequences per destination actor into one ``oppo_prefill``
-call. Generation never waits for the scorers: a sample returns as soon as its last token is out, with
-the id its scores are filed under; the experience maker flushes the outboxes and collects the scores.
+A ``SampleStream`` per sample collects the engine's DELTA outputs and hands every ``chunk_size`` tokens to
+``ChunkOutbox``, which batches them into one ``oppo_prefill`` call per scoring actor. Generation never waits
+for the scorers: the experience maker flushes the outboxes and collects the scores.
 
-The same actor also keeps requests across weight updates for inter-step overlap (pause, resume,
-sleep without aborting) and salts prompts with the weight version so that no prefix-cache entry
-computed with old weights serves a new request. With ``--oppo.policy_logprobs vllm`` it also scores the
-policy's log-probs of its finished samples itself (``engine_logprobs``).
-
-The trainer's calls on its critical path (``oppo_hold``, ``oppo_flush``, and the reads at each step's end:
-``oppo_stats``, ``oppo_resources``, ``oppo_drain_trace``) run in a concurrency group of their own, on a thread
-of their own: the actor's event loop also runs vLLM's output handler and every request's coroutine, and while
-a batch of new requests goes in it can be hundreds of milliseconds behind.
+The actor also keeps requests across weight updates (pause, resume, sleep without aborting) and salts prompts
+with the weight version, so that no prefix-cache entry of old weights serves a new request. The trainer's
+calls on its critical path run on a thread of their own (``CONTROL``): the event loop also runs vLLM's output
+handler and every request's coroutine, and can fall far behind while a batch of requests goes in.
 """
 
 import asyncio
@@ -57,15 +50,11 @@ class RolloutConfig:
 class ChunkOutbox:
     """Per-destination queues of chunks, sent as one ``oppo_prefill`` call per scoring actor.
 
-    Each sequence is given one rank per role when it starts (``assign``), and every chunk of it goes there:
-    the rank pinned for this engine (a frozen scorer on the engine's own GPU), else the least loaded rank,
-    so that the ranks share the prefill work. A rank's load is the tokens it was sent of its live sequences,
-    plus one chunk for each of them (sequences start together, before any token is out). At most ``calls_in_flight`` calls go
-    to one actor at a time, so that chunks pile up (and batch better) when it falls behind. Nothing waits for
-    the scorers: a sample's last chunk is queued like the others and the sample returns at once; the trainer
-    ``flush``es the outbox and collects the scores. The chunks of ``held`` roles only queue (the training phase of
-    inter-step overlap: those roles' GPUs are training, and the critic's and policy's weights are about to
-    change anyway); the frozen models beside vLLM keep scoring.
+    Every chunk of a sequence goes to the rank ``assign`` gave it: the one pinned for this engine (a frozen
+    scorer on its GPU), else the least loaded (tokens sent of its live sequences, plus one chunk each, since
+    sequences start before any token is out). At most ``calls_in_flight`` calls go to one actor, so that chunks
+    pile up and batch better when it falls behind. Chunks of ``held`` roles only queue: their GPUs are training
+    and their weights about to change.
     """
 
     def __init__(
@@ -83,8 +72,7 @@ class ChunkOutbox:
         self._load = {role: [0] * len(ranks) for role, ranks in scorers.items()}  # per rank, see ``assign``
         self._queues: Dict[tuple, List[Chunk]] = {}
         self._in_flight: Dict[tuple, set] = {}
-        # ``hold`` and ``flush`` come from the trainer on the control thread (``CONTROL``), the rest on the event
-        # loop's: the lock guards the queues, the calls in flight and the held roles.
+        # ``hold`` and ``flush`` run on the control thread, the rest on the event loop.
         self._lock = threading.Lock()
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
@@ -253,9 +241,8 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
     async def __init__(self, *args, oppo_config: Optional[dict] = None, **kwargs):
         self.loop = asyncio.get_running_loop()  # the actor's event loop (the control calls run on another)
         self.oppo_config = RolloutConfig(**(oppo_config or {}))
-        # Chunks are cut from the engine's outputs, at most the smallest chunk apart (config checks it): an output
-        # every ``stream_interval`` tokens of a request (vLLM's --stream-interval; the first and last tokens come at
-        # once) spares this process building and awaiting one output per token and request.
+        # An output every ``stream_interval`` tokens (vLLM's --stream-interval) spares this process one output per
+        # token and request; config keeps it at most the smallest chunk.
         await super().__init__(*args, stream_interval=self.oppo_config.stream_interval, **kwargs)
         end_children_with_this_process()  # the engine core, should this actor die without a shutdown
         self.tracer = Tracer(enabled=False, process="rollout")  # on with oppo_connect(trace=True)
@@ -459,10 +446,9 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         params = deepcopy(sampling_params)
         params.output_kind = RequestOutputKind.DELTA
         if type(self.executor) is SingleTurnAgentExecutor and not params.stop:
-            # vLLM detokenizes every token of every request in this process, whose event loop also answers the
-            # trainer's calls. Upstream's single-turn executor reads the token ids only (it decodes them itself
-            # for the reward): skip it, as patch 0012 does upstream. Stop strings are matched on the text, and
-            # other executors (multi-turn agents) may read it.
+            # vLLM detokenizes in this process, on the event loop that answers the trainer. The single-turn executor
+            # reads token ids only (patches/openrlhf/0012 skips it upstream too); stop strings and multi-turn agents
+            # need the text.
             params.detokenize = False
 
         stream.begin_turn(prompt_token_ids, self.weight_version)

@@ -297,9 +297,9 @@ class ChunkScorer:
     def _log_probs(self, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from openrlhf.models.utils import log_probs_from_logits
 
-        # As Actor.forward: float32 logits divided by the temperature, then upstream's log-softmax. A slice of
-        # positions at a time: the logits of a whole long sequence (8k positions x 152k entries in float32:
-        # 5 GB) would set the scorer's peak memory, beside training or beside vLLM.
+        # As Actor.forward: float32 logits over the temperature, then upstream's log-softmax. A slice of positions
+        # at a time: a long sequence's full logits (8k positions x 152k vocabulary in float32: 5 GB) would set the
+        # scorer's peak memory.
         parts = []
         for start in range(0, len(labels), self.max_logit_rows):
             rows = slice(start, start + self.max_logit_rows)

@@ -1,18 +1,13 @@
 """A plain copy of a ZeRO-3 model's full weights, for streamed prefill.
 
-Under ZeRO-3 (``--ds.zero_stage 3``) each rank holds a shard of every parameter, and DeepSpeed's forward
-hooks all-gather each layer's parameters from every rank of the model: all ranks must run the same
-forwards together. The ranks of a scoring model stream different sequences at different times, so their
-``ChunkScorer`` runs on an ``InferenceCopy`` instead: a module of the same class with the full weights and
-no DeepSpeed hooks, whose forward is local to the rank. It is gathered once per weight version, when
-streaming is set up and after each ``fit`` of the policy and the critic: upstream calls both on every rank
-of the model together, so the all-gathers line up there.
+Under ZeRO-3 (``--ds.zero_stage 3``) DeepSpeed's forward hooks all-gather each layer from every rank, so all
+ranks must run the same forwards together; but a scoring model's ranks stream different sequences at different
+times. Their ``ChunkScorer`` runs on an ``InferenceCopy`` instead: a module of the same class with the full
+weights and no hooks. It is gathered once per weight version (at set-up and after each ``fit`` of the policy
+and the critic, which upstream calls on every rank together, so the all-gathers line up).
 
-Memory: one full copy of the weights on every rank, beside the rank's shard (``2 * parameters`` bytes in
-bf16: about 15 GB for a 7B model). Gathering copies one parameter at a time, so it needs no more than one
-gathered parameter on top of the copy. Only the critic and the policy need it: the frozen reward and
-reference models, when they stream, load their weights unsharded in the first place (``actors.py``), so
-they hold one copy, not a shard and a copy.
+Memory: one full bf16 copy per rank beside its shard (``2 * parameters`` bytes), gathered one parameter at a
+time. Only the critic and the policy need it: the frozen models load unsharded when they stream (``actors.py``).
 """
 
 import copy
@@ -35,10 +30,9 @@ def is_partitioned(model: torch.nn.Module) -> bool:
 class InferenceCopy:
     """The full weights of a ZeRO-3 module, in a plain module of the same class on this rank's device.
 
-    Works for any module that its class builds from its ``config`` alone: Hugging Face causal LMs (the
-    policy and the reference) and the value-head models of ``get_llm_for_sequence_regression`` (the
-    critic and the reward model). Buffers (``mean``/``std``, rotary frequencies) are not sharded by ZeRO-3
-    and are copied as they are.
+    Works for any module its class builds from its ``config`` alone (HF causal LMs, the value-head models of
+    ``get_llm_for_sequence_regression``). ZeRO-3 does not shard buffers (``mean``/``std``, rotary frequencies):
+    they are copied as they are.
 
     Args:
         source: the module whose parameters ZeRO-3 shards (the DeepSpeed engine's ``module``).

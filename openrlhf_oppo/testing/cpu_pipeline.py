@@ -94,10 +94,9 @@ class CPUReferenceModelActor(_CPUModel, actors.StreamingReferenceModelActor):
 
 
 class _CPUTrainer:
-    """Stand-in for the PPO trainer that upstream's ``fit`` calls (``self.trainer.ppo_train``): a forward and
-    backward through every weight (their squared sum), whose gradients are dropped, so the weights stay as
-    they were. The policy's reports its experiences' ``info`` as upstream's does (the reward's extra logs, such
-    as the learning task's ``accuracy``, reach the step's log that way); the critic's reports nothing."""
+    """Stand-in for upstream's ``self.trainer.ppo_train``: a backward through every weight whose gradients are
+    dropped, so the weights stay as they were. The policy's reports its experiences' ``info`` as upstream's does
+    (so the reward's extra logs reach the step's log); the critic's reports nothing."""
 
     def __init__(self, model, reports_info: bool):
         self.model = model
@@ -127,9 +126,8 @@ def info_means(experiences: list) -> dict:
 class _CPUTraining:
     """Stand-in for DeepSpeed training on CPU: PPOTrainer's step loop runs, the weights do not change.
 
-    Upstream's ``fit`` and OPPO's part of it still run (the scorer's weight version bumped, as a real update
-    does, so that OPPO's handling of results computed with old weights is exercised; the fit's time logged;
-    ``--oppo.profile_step``), around ``_CPUTrainer``. Checkpoints keep only the trainer's client states.
+    Upstream's ``fit`` and OPPO's part of it still run around ``_CPUTrainer``, bumping the scorer's weight version
+    so that OPPO's handling of stale scores is exercised. Checkpoints keep only the trainer's client states.
     """
 
     reports_info = False  # the policy's training logs its experiences' info, the critic's does not
