@@ -1,10 +1,9 @@
-"""The ``--oppo.*`` and ``--bench.*`` options: their definitions, validation and resolved plan.
+"""The ``--oppo.*`` and ``--bench.*`` options and the checks of a combination of them.
 
-Every option is defined in ``add_arguments`` with the sentence ``--help`` shows. ``validate`` runs on the
-parsed upstream namespace before any Ray actor or GPU is touched; it raises ``OPPOConfigError`` with
-what is wrong and what to use instead, and stores the resolved decisions (which models stream, the
-overcommit bounds, ...) in ``args.oppo`` so that every process reads the same plan from
-``strategy.args``.
+Every option is defined here with the sentence ``--help`` shows: ``OPTIONS`` are the ones a user sets, ``ADVANCED``
+the mechanism switches whose ``auto`` the plan decides (``plan.resolve``). The checks run on the plan's working
+copy of the parsed namespace before any Ray actor or GPU is touched; each raises ``OPPOConfigError`` with what is
+wrong and what to use instead.
 """
 
 import argparse
@@ -54,284 +53,236 @@ def _bounded(kind, name, minimum):
     return parse
 
 
-# name: (argparse kwargs, default). Defaults are applied in ``validate`` so that an option given
-# without --oppo.enable can be told apart from one left alone.
+# name: (argparse kwargs, default). Defaults are applied by the plan (plan.resolve) so that an option given can be
+# told apart from one left alone: a given option always wins over the plan's choice.
+# The options a user sets: everything else is the plan's (ADVANCED below, for experiments and the benchmark).
 OPTIONS = {
+    "max_lag": (
+        dict(
+            type=_bounded(int, "--oppo.max_lag", 0),
+            help="The most weight versions a trained sample may be behind the policy that trains on it (PipelineRL's "
+            "max_lag, verl's staleness_threshold). Inter-step overlap keeps B + Delta prompt groups in flight and "
+            "carries the unfinished ones into the next step; Delta, the deferral limit and the top-up follow from "
+            "this bound, which every trained sample keeps. 0 turns inter-step overlap off. Logged as "
+            "oppo/policy_lag_max and oppo/policy_lag_mean.",
+        ),
+        3,
+    ),
     "intra_step": (
         dict(
             choices=["auto", "on", "off"],
-            help="Intra-step overlap: reward, critic and reference (and the policy's old log-probs where its GPUs "
-            "are idle during generation) prefill each response chunk while the actor decodes. 'auto' turns it on "
-            "except under the hybrid engine (--train.colocate_all --vllm.enable_sleep), whose vLLM share is sized "
-            "for vLLM alone; with vLLM awake on the models' GPUs it is on, as it shortened the step in both "
-            "paired runs there.",
+            help="Intra-step overlap: the reward, critic and reference models (and the policy, where its GPUs are "
+            "idle during generation) prefill each response chunk while vLLM decodes, so that only the last chunk "
+            "is left when a response ends. 'auto': on, except where vLLM sleeps on the models' GPUs (the hybrid "
+            "engine) and the memory plan keeps it asleep.",
         ),
         "auto",
     ),
-    "chunk_size": (
+    "carry_kv": (
         dict(
-            type=_int_or_auto("--oppo.chunk_size", 1),
-            help="Tokens per streamed chunk, or 'auto': chosen each step from the measured decode rate and the "
-            "scorers' prefill cost so that they keep up with the smallest last chunk. Logged as oppo/chunk_size.",
+            choices=["recompute", "keep"],
+            help="What carried requests do at a weight update: 'recompute' prefills prompt and partial response "
+            "again with the new weights; 'keep' keeps the KV cache of the old weights (cheaper, more off-policy).",
         ),
-        "auto",
-    ),
-    "stream_interval": (
-        dict(
-            type=_int_or_auto("--oppo.stream_interval", 1),
-            help="Tokens a request decodes between two of its outputs to the rollout actor (vLLM's --stream-interval "
-            "for OPPO's engines; the first and last token come at once). Chunks are cut from these outputs, so it "
-            "may not exceed the smallest chunk; 'auto': 16, or the chunk size where --oppo.chunk_size is smaller. "
-            "1 hands over every token, at one Python wake-up per token and request in the rollout actor's process.",
-        ),
-        "auto",
+        "recompute",
     ),
     "cache_budget_gb": (
         dict(
             type=_bounded(float, "--oppo.cache_budget_gb", 0.0),
             metavar="GIB",
-            help="KV cache each scoring actor may hold for streamed sequences, in GiB. Past it, the newest "
-            "sequences lose their cache and are scored in full when they end; streaming never runs out of memory.",
-        ),
-        4.0,
-    ),
-    "overcommit": (
-        dict(
-            type=_int_or_auto("--oppo.overcommit", 0),
-            help="Inter-step overlap: prompt groups dispatched beyond --rollout.batch_size (Delta). The step ends "
-            "when batch_size groups are done; the rest carry into the next step with their partial work. 0 turns "
-            "it off; 'auto' starts at an eighth of batch_size and moves Delta by --oppo.overcommit_rule.",
-        ),
-        "auto",
-    ),
-    "overcommit_window": (
-        dict(
-            type=_bounded(int, "--oppo.overcommit_window", 2),
-            help="Steps over which --oppo.overcommit auto judges Delta (the waits for the batch_size-th group, or "
-            "the reward slope, by --oppo.overcommit_rule).",
-        ),
-        5,
-    ),
-    "overcommit_inc": (
-        dict(
-            type=_bounded(int, "--oppo.overcommit_inc", 1),
-            help="Groups added to Delta when --oppo.overcommit_rule says so (steps waited, or the reward rose).",
-        ),
-        1,
-    ),
-    "overcommit_dec": (
-        dict(
-            type=_bounded(int, "--oppo.overcommit_dec", 1),
-            help="Groups taken from Delta when --oppo.overcommit_rule says so (a surplus of done groups, or the "
-            "reward did not rise).",
-        ),
-        1,
-    ),
-    "overcommit_min": (
-        dict(type=_bounded(int, "--oppo.overcommit_min", 0), help="Lower bound of Delta under 'auto'."),
-        0,
-    ),
-    "overcommit_max": (
-        dict(
-            type=_bounded(int, "--oppo.overcommit_max", 0),
-            help="Upper bound of Delta under 'auto'. Default: a quarter of --rollout.batch_size.",
+            help="KV cache each scoring model may hold for streamed sequences, in GiB; past it, the newest lose "
+            "their cache and are scored in full when they end. Default: 4, or less where the memory plan needs "
+            "the room.",
         ),
         None,
+    ),
+    "colocate_models": (
+        dict(
+            action="store_true",
+            help="Place the models on the actor's GPUs and the vLLM engines on GPUs of their own (upstream needs "
+            "three GPU groups for that); works with OPPO on and off.",
+        ),
+        False,
+    ),
+    "trace_dir": (
+        dict(
+            metavar="DIR",
+            help="Write a Chrome/Perfetto trace of every step here (generation per engine, chunk prefills, "
+            "experience, training, weight sync); open it in https://ui.perfetto.dev.",
+        ),
+        None,
+    ),
+}
+
+# The mechanism switches: 'auto' is the plan's choice. docs/options.md describes each one.
+ADVANCED = {
+    "overcommit": (
+        dict(type=_int_or_auto("--oppo.overcommit", 0), help="Prompt groups in flight beyond --rollout.batch_size."),
+        "auto",
     ),
     "overcommit_rule": (
         dict(
             choices=["throughput", "reward_slope"],
-            help="How --oppo.overcommit auto moves Delta, judged on --oppo.overcommit_window steps. 'throughput': "
-            "up while steps wait more than 0.1 s for their batch_size-th group, down while more than batch_size "
-            "groups are already done when a step starts (they would only be carried again, older); the models "
-            "then never wait for generation, at the least policy lag. 'reward_slope' (the paper's): up while the "
-            "mean reward rises, down otherwise; on a flat reward it walks Delta down to --oppo.overcommit_min. "
-            "Logged as oppo/overcommit, with the lag it costs as oppo/policy_lag_mean.",
+            help="How Delta moves under --oppo.overcommit auto: by the waits for generation, or the paper's reward "
+            "slope.",
         ),
         "throughput",
     ),
+    "overcommit_window": (
+        dict(type=_bounded(int, "--oppo.overcommit_window", 2), help="Steps over which the rule judges Delta."),
+        3,
+    ),
+    "overcommit_inc": (
+        dict(type=_int_or_auto("--oppo.overcommit_inc", 1), help="Groups Delta grows by (auto: a quarter of B)."),
+        "auto",
+    ),
+    "overcommit_dec": (
+        dict(type=_int_or_auto("--oppo.overcommit_dec", 1), help="Groups Delta shrinks by (auto: an eighth of B)."),
+        "auto",
+    ),
+    "overcommit_min": (dict(type=_bounded(int, "--oppo.overcommit_min", 0), help="Lower bound of Delta."), 0),
+    "overcommit_max": (
+        dict(type=_int_or_auto("--oppo.overcommit_max", 0), help="Upper bound of Delta (auto: from --oppo.max_lag)."),
+        "auto",
+    ),
     "max_defer_steps": (
         dict(
-            type=_bounded(int, "--oppo.max_defer_steps", 0),
-            help="A group carried this many steps is waited for, so long prompts are never starved out of training.",
+            type=_int_or_auto("--oppo.max_defer_steps", 1),
+            help="Steps a group may be carried before a step waits for it (auto: from --oppo.max_lag).",
         ),
-        2,
+        "auto",
     ),
     "top_up": (
         dict(
-            choices=["step_start", "step_end"],
-            help="When the sampler tops the groups in flight up to batch_size + Delta. 'step_start': new prompts "
-            "start with the newest weights. 'step_end': they start before training, so that the vLLM GPUs decode "
-            "through training (and the weight sync, where it is staged), as in upstream's async mode (their "
-            "tokens before the update come from the previous policy); needs vLLM apart from the models (not "
-            "--train.colocate_all), or --oppo.colocated_decode continue or during_training. Their chunks are "
-            "scored only once training frees the models' GPUs. Logged as oppo/topped_up_at_step_end.",
+            choices=["auto", "step_start", "step_end"],
+            help="When new prompts start: after the weight sync, or before training so that they decode through "
+            "it.",
         ),
-        "step_start",
+        "auto",
     ),
     "colocated_decode": (
         dict(
-            choices=["pause", "during_training", "continue"],
-            help="What carried requests do while the models make experiences and train on the engines' own GPUs "
-            "(--train.colocate_all with vLLM awake: no --vllm.enable_sleep). 'pause': they wait until the weight "
-            "sync, as the GPU is the models' then. 'during_training': they wait while the step makes its "
-            "experiences, which training waits for, and decode beside training (oppo/decoding_paused_s). "
-            "'continue': they keep decoding throughout. With either of the last two, --oppo.top_up step_end starts "
-            "the next step's prompts there too, so that the next step finds more groups done "
-            "(oppo/groups_done_at_start) at the cost of sharing the GPU with the models. The engines keep their "
-            "memory through training: leave the models room with --vllm.gpu_memory_utilization.",
+            choices=["auto", "pause", "during_training", "continue"],
+            help="What awake engines on the models' GPUs do while the models make experiences and train.",
         ),
-        "pause",
+        "auto",
     ),
     "policy_logprobs": (
         dict(
-            choices=["policy", "vllm"],
-            help="What computes the policy's log-probs of each batch (intra-step streaming with the policy "
-            "streaming). 'policy': the policy's own ranks, on the chunks streamed to them (equal to upstream's "
-            "forward). 'vllm': each rollout engine, with vLLM's prompt log-probs of its finished sequences on the "
-            "weights of the last sync; where a batch decodes while the models train, the policy's share of the "
-            "prefill after the sync then runs on the engines' GPUs instead of beside the critic's. vLLM's kernels "
-            "match the training forward to bf16 noise, not bit for bit. Needs --rollout.temperature 1 (prompt "
-            "log-probs come from the raw logits) and vLLM awake through the step (not --vllm.enable_sleep). The "
-            "engines' work shows in oppo/busy_s/policy.",
+            choices=["auto", "policy", "vllm"],
+            help="What computes the policy's old log-probs: its own ranks on streamed chunks, or vLLM's prompt "
+            "log-probs after the weight sync.",
         ),
-        "policy",
+        "auto",
     ),
     "critic_catch_up": (
         dict(
             choices=["auto", "next_step", "after_fit", "next_batch"],
-            help="When the critic scores the chunks held through training (inter-step overlap with the critic "
-            "streaming). 'next_step': when the next step starts, after the weight sync, as the policy does. "
-            "'after_fit': as soon as the critic's own training ends, while the policy may still train (its weights "
-            "are final by then); the critic's catch-up then overlaps the policy's training and the weight sync "
-            "(under --train.colocate_all on the same GPU). Under --ds.enable_sleep it needs --oppo.state_moves "
-            "overlap, whose training sends them between the two fits. Compare "
-            "oppo/critic_fit_s with oppo/policy_fit_s for the time it can gain. 'next_batch': as after_fit, but once "
-            "the next step's groups are all done (Delta of about the batch or more), only their chunks: the critic "
-            "prefills a sequence again after each update of its weights, so the chunks of the groups a later step "
-            "trains wait for that (oppo/critic_catch_up_batch_only says which it did). 'auto': next_batch where the "
-            "policy's log-probs come from vLLM (--oppo.policy_logprobs vllm), which leaves the critic's catch-up the "
-            "only prefill after the sync; next_step otherwise, where the policy's catch-up follows the sync anyway "
-            "and the critic's early start slows the policy's training by about as much as it saves.",
+            help="When the critic scores the chunks held through training: at the next step, after its own fit, "
+            "or after its fit for the next batch only.",
         ),
         "auto",
     ),
     "state_moves": (
         dict(
-            choices=["serial", "overlap"],
-            help="Where the critic's and the policy's DeepSpeed states move between host and GPU around their "
-            "training under --ds.enable_sleep. 'serial': as upstream, the critic's states load, it trains, they "
-            "go back, then the same for the policy. 'overlap': the policy's states load while the critic trains, "
-            "and the critic's go back while the policy trains. The critic's load starts as soon as its streamed "
-            "scores are in, while the policy's log-probs and the advantages are computed; with vLLM awake, the "
-            "policy's offload waits until the weight sync is done, and runs beside the next step's start. The GPU "
-            "then holds one model's states more while the other trains. Needs --ds.enable_sleep and a critic. The "
-            "time training still waits on the moves: oppo/state_moves_wait_s.",
+            choices=["auto", "serial", "overlap"],
+            help="Under --ds.enable_sleep: move one model's DeepSpeed states while the other trains, or one after "
+            "the other as upstream.",
         ),
-        "serial",
-    ),
-    "carry_kv": (
-        dict(
-            choices=["recompute", "keep"],
-            help="What carried requests do at a weight update: 'recompute' re-prefills prompt and partial response "
-            "with the new weights; 'keep' keeps the KV computed with the old weights (cheaper, more off-policy; "
-            "the faster choice where vLLM stays awake beside training, which recompute re-prefills beside: "
-            "docs/design.md).",
-        ),
-        "recompute",
-    ),
-    "colocate_models": (
-        dict(
-            action="store_true",
-            help="Place the models on one set of GPUs (the actor's) and the vLLM engines on their own: the policy "
-            "and critic always, the reward and reference models too unless --oppo.frozen_scorers_on puts them "
-            "beside the engines. Works with OPPO on and off; needs no --oppo.enable.",
-        ),
-        False,
-    ),
-    "prefill_calls_in_flight": (
-        dict(
-            type=_bounded(int, "--oppo.prefill_calls_in_flight", 1),
-            help="Prefill calls a rollout actor keeps in flight to one scoring actor; further chunks wait and go "
-            "out together in the next call (fewer, larger calls when a scorer falls behind).",
-        ),
-        2,
-    ),
-    "flush_interval_ms": (
-        dict(
-            type=_bounded(float, "--oppo.flush_interval_ms", 0.0),
-            help="How long a rollout actor waits after a chunk is ready before sending, so that the chunks of one "
-            "decode step (one per running sequence) go out in one call.",
-        ),
-        5.0,
-    ),
-    "max_prefill_tokens": (
-        dict(
-            type=_bounded(int, "--oppo.max_prefill_tokens", 1),
-            help="New tokens (padded) in one prefill forward pass of a scorer; a larger batch of chunks is split. "
-            "Bounds the activations of one pass and how long it holds the GPU.",
-        ),
-        16384,
-    ),
-    "max_prefill_cached_tokens": (
-        dict(
-            type=_bounded(int, "--oppo.max_prefill_cached_tokens", 1),
-            help="Cached tokens (padded) gathered for one prefill forward pass (the gathered keys and values are "
-            "a copy of that size).",
-        ),
-        65536,
-    ),
-    "call_timeout_s": (
-        dict(
-            type=_bounded(float, "--oppo.call_timeout_s", 1.0),
-            help="The longest the trainer waits for any call to a rollout or scoring actor (flush, collect, pause, "
-            "...) before it stops the run with an error naming the actor; Ray would wait forever on a hung one.",
-        ),
-        900.0,
+        "auto",
     ),
     "frozen_scorers_on": (
         dict(
             choices=["auto", "generation", "models"],
-            help="Where the frozen models (reward and reference) run with --oppo.colocate_models. 'generation': "
-            "on the vLLM engines' GPUs, one rank per engine GPU, beside decoding (their weights never change, so "
-            "their streamed prefill need not wait for training), which leaves the models' GPUs to the critic and "
-            "the policy; needs --vllm.gpu_memory_utilization <= 0.8 for room beside the engine. 'models': on the "
-            "actor's GPUs with the others. 'auto': 'generation' where it applies (intra-step streaming of either "
-            "model, and the memory room; the log says when vLLM's share leaves none), else 'models'.",
+            help="With --oppo.colocate_models: the reward and reference models beside the vLLM engines, or on the "
+            "models' GPUs.",
         ),
         "auto",
     ),
     "weight_sync": (
         dict(
             choices=["staged", "paused"],
-            help="How carried requests meet the weight sync. 'staged': every engine receives the new weights "
-            "into a staging copy while it keeps decoding, then pauses only to load them (one extra copy of the "
-            "policy's weights on each vLLM GPU, outside --vllm.gpu_memory_utilization). 'paused': the engines "
-            "pause for the whole sync and load each bucket as it arrives. Either way the weights go in buckets of "
-            "512 MB (--vllm.sync_bucket_mb where patches/openrlhf/0007 is applied). Logged as oppo/weight_sync_s "
-            "and oppo/weight_sync_pause_s.",
+            help="Engines on GPUs of their own receive new weights into a staging copy while they decode, or "
+            "pause for the whole sync.",
         ),
         "staged",
     ),
-    "trace_dir": (
+    "memory_flags": (
         dict(
-            metavar="DIR",
-            help="Write a Chrome/Perfetto trace per step here (generation per engine, chunk prefills, experience, "
-            "training, weight sync). Open in https://ui.perfetto.dev. Default: no traces.",
+            choices=["plan", "as_given"],
+            help="Whether the memory plan may change OpenRLHF's speed-for-memory flags under --train.colocate_all "
+            "(the sleep modes, vLLM's share).",
+        ),
+        "plan",
+    ),
+    "gpu_memory_gb": (
+        dict(
+            type=_bounded(float, "--oppo.gpu_memory_gb", 1.0),
+            metavar="GIB",
+            help="Memory of one GPU for the memory plan, in GiB. Default: read from the first visible GPU.",
         ),
         None,
+    ),
+    "chunk_size": (
+        dict(
+            type=_int_or_auto("--oppo.chunk_size", 1),
+            help="Tokens per streamed chunk (auto: from the decode rate and the scorers' prefill cost).",
+        ),
+        "auto",
+    ),
+    "stream_interval": (
+        dict(
+            type=_int_or_auto("--oppo.stream_interval", 1),
+            help="Tokens a request decodes between two outputs to the rollout actor (auto: 16, at most a chunk).",
+        ),
+        "auto",
+    ),
+    "prefill_calls_in_flight": (
+        dict(
+            type=_bounded(int, "--oppo.prefill_calls_in_flight", 1),
+            help="Prefill calls a rollout actor keeps in flight to one scoring actor.",
+        ),
+        2,
+    ),
+    "flush_interval_ms": (
+        dict(
+            type=_bounded(float, "--oppo.flush_interval_ms", 0.0),
+            help="How long a ready chunk waits so that one decode step's chunks go out in one call.",
+        ),
+        5.0,
+    ),
+    "max_prefill_tokens": (
+        dict(
+            type=_bounded(int, "--oppo.max_prefill_tokens", 1),
+            help="New tokens (padded) in one prefill forward pass of a scorer.",
+        ),
+        16384,
+    ),
+    "max_prefill_cached_tokens": (
+        dict(
+            type=_bounded(int, "--oppo.max_prefill_cached_tokens", 1),
+            help="Cached tokens (padded) gathered for one prefill forward pass of a scorer.",
+        ),
+        65536,
+    ),
+    "call_timeout_s": (
+        dict(
+            type=_bounded(float, "--oppo.call_timeout_s", 1.0),
+            help="The longest the trainer waits for a call to a rollout or scoring actor before it stops the run.",
+        ),
+        900.0,
     ),
     "profile_step": (
         dict(
             type=_bounded(int, "--oppo.profile_step", 0),
             metavar="N",
-            help="Profile the policy's and the critic's training in the run's N-th step with torch.profiler (every "
-            "kernel and the gaps between them), one Chrome trace per rank in --oppo.trace_dir, on the rank's "
-            "host. 0: off.",
+            help="Profile the policy's and the critic's training of step N with torch.profiler into "
+            "--oppo.trace_dir (0: off).",
         ),
         0,
     ),
 }
+ALL_OPTIONS = {**OPTIONS, **ADVANCED}
 
 # Options that keep their meaning with OPPO off.
 WITHOUT_ENABLE = {"colocate_models"}
@@ -355,16 +306,24 @@ BENCH_OPTIONS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("OPPO (pipeline overlap)", "Options of openrlhf-oppo; see its README.")
     group.add_argument("--oppo.enable", action="store_true", default=False, help="Turn OPPO on. Default: off.")
-    for name, (kwargs, default) in OPTIONS.items():
+    _add_options(group, OPTIONS)
+    advanced = parser.add_argument_group(
+        "OPPO advanced", "Mechanism switches for experiments and the benchmark; 'auto' is the plan's choice."
+    )
+    _add_options(advanced, ADVANCED)
+    bench = parser.add_argument_group("Benchmark workload", "Workload controls used by python -m openrlhf_oppo.bench.")
+    for name, kwargs in BENCH_OPTIONS.items():
+        bench.add_argument(f"--bench.{name}", **dict(kwargs, help=_with_default(kwargs["help"], kwargs["default"])))
+
+
+def _add_options(group, options: dict) -> None:
+    for name, (kwargs, default) in options.items():
         kwargs = dict(kwargs, help=_with_default(kwargs["help"], default))
         if kwargs.get("action") != "store_true":
             kwargs["default"] = None
             if "choices" not in kwargs:
                 kwargs.setdefault("metavar", getattr(kwargs.get("type"), "metavar", None))
         group.add_argument(f"--oppo.{name}", **kwargs)
-    bench = parser.add_argument_group("Benchmark workload", "Workload controls used by python -m openrlhf_oppo.bench.")
-    for name, kwargs in BENCH_OPTIONS.items():
-        bench.add_argument(f"--bench.{name}", **dict(kwargs, help=_with_default(kwargs["help"], kwargs["default"])))
 
 
 def _with_default(help_text: str, default) -> str:
@@ -375,36 +334,27 @@ def _with_default(help_text: str, default) -> str:
     return f"{help_text} Default: {shown}."
 
 
-def validate(args) -> None:
-    """Check the parsed (hierarchized) args and store OPPO's resolved plan in ``args.oppo``."""
-    oppo = args.oppo
-    if hasattr(oppo, "streamed_roles"):
-        return  # already validated (the wrapper and upstream's extension hook both call this)
-    given = [name for name in OPTIONS if getattr(oppo, name) not in (None, False)]
+def given_options(oppo) -> list:
+    """The ``--oppo.*`` options the user set (argparse's default is None for all of them, see OPTIONS)."""
+    return [name for name in ALL_OPTIONS if getattr(oppo, name, None) not in (None, False)]
+
+
+def check_given(oppo, given) -> None:
     if not oppo.enable:
         stray = [name for name in given if name not in WITHOUT_ENABLE]
         if stray:
             flags = ", ".join(f"--oppo.{name}" for name in stray)
             raise OPPOConfigError(f"{flags} given without --oppo.enable: add --oppo.enable or drop them.")
-    for name, (_, default) in OPTIONS.items():
-        if getattr(oppo, name) is None:
+
+
+def fill_defaults(oppo) -> None:
+    """``oppo``: the plan's working copy of the options (plan.resolve), never the user's namespace."""
+    for name, (_, default) in ALL_OPTIONS.items():
+        if getattr(oppo, name, None) is None:
             setattr(oppo, name, default)
 
-    _check_placement(args)
-    if oppo.enable:
-        _check_oppo(args, given)
-        _resolve_plan(args)
-        _check_streaming_plan(args, given)
-        _check_overcommit_plan(args, given)
-        _resolve_stream_interval(oppo)
-    else:
-        oppo.streamed_roles, oppo.inter_step, oppo.frozen_scorers_on = [], False, "models"
-        oppo.stream_interval = 1  # vLLM's own: upstream's runs on the benchmark's rollout actor stay as they are
-    print(f"[openrlhf-oppo] {describe(args)}", flush=True)
-    _warn_of_the_first_tokens_log_prob(args)
 
-
-def _warn_of_the_first_tokens_log_prob(args) -> None:
+def warn_of_the_first_tokens_log_prob(args) -> None:
     """OpenRLHF samples with vLLM's min_tokens=1, which masks the end of text at the first token; with the
     importance correction on, vLLM's log-prob of that token (pi_rollout) then leaves out the end of text's
     probability, and a response that ends there is never sampled, so never corrected (docs/RESULTS.md,
@@ -420,7 +370,7 @@ def _warn_of_the_first_tokens_log_prob(args) -> None:
     )
 
 
-def _check_placement(args) -> None:
+def check_placement(args) -> None:
     if args.oppo.frozen_scorers_on == "generation":
         _check_frozen_beside_vllm(args)
     if not args.oppo.colocate_models:
@@ -436,7 +386,7 @@ def _check_placement(args) -> None:
             "which in async mode already places only the DeepSpeed models together."
         )
     # The frozen models beside vLLM are checked against the engines' GPUs; under 'auto' that is decided once the
-    # streamed roles are known (_resolve_plan), which checks them against the actor's if they stay.
+    # streamed roles are known (resolve_roles), which checks them against the actor's if they stay.
     frozen_may_go = args.oppo.enable and args.oppo.frozen_scorers_on != "models"
     _check_on_the_actors_gpus(args, ("critic",) if frozen_may_go else ("critic", "reward", "ref"))
     if not args.vllm.num_engines:
@@ -482,7 +432,7 @@ def _check_frozen_beside_vllm(args) -> None:
         )
 
 
-def _check_oppo(args, given) -> None:
+def check_oppo(args, given) -> None:
     oppo = args.oppo
     if not args.vllm.num_engines:
         raise OPPOConfigError("OPPO overlaps vLLM generation with the other stages: set --vllm.num_engines >= 1.")
@@ -491,7 +441,7 @@ def _check_oppo(args, given) -> None:
             "--oppo.enable with --train.async_enable is not supported: OPPO's inter-step overlap takes the place "
             "of the async trainer. Use one or the other (the benchmark runs both side by side)."
         )
-    if _streams(args):
+    if streams(args):
         unsupported = {
             "--ds.ring_attn_size > 1": args.ds.ring_attn_size > 1,
             "--ds.tensor_parallel_size > 1": args.ds.tensor_parallel_size > 1,
@@ -528,7 +478,7 @@ def _check_oppo(args, given) -> None:
             "or under --train.colocate_all awake (no --vllm.enable_sleep) with --oppo.colocated_decode continue or "
             "during_training (otherwise they wait or sleep through training). Use --oppo.top_up step_start there."
         )
-    if critic_catches_up_after_its_fit(args) and args.ds.enable_sleep and oppo.state_moves != "overlap":
+    if oppo.critic_catch_up in ("after_fit", "next_batch") and args.ds.enable_sleep and oppo.state_moves != "overlap":
         raise OPPOConfigError(
             f"--oppo.critic_catch_up {oppo.critic_catch_up} sends the critic its held chunks as soon as its fit "
             "ends, but under --ds.enable_sleep upstream's training moves the models' states and trains them one "
@@ -552,7 +502,7 @@ def _check_oppo(args, given) -> None:
             "engines awake after the weight sync: it needs --rollout.temperature 1.0 (given "
             f"{args.rollout.temperature:g}) and no --vllm.enable_sleep. Use --oppo.policy_logprobs policy there."
         )
-    if oppo.overcommit != "auto" and oppo.overcommit_rule != OPTIONS["overcommit_rule"][1]:
+    if oppo.overcommit != "auto" and "overcommit_rule" in given:
         raise OPPOConfigError(
             f"--oppo.overcommit_rule {oppo.overcommit_rule} moves Delta under --oppo.overcommit auto, but "
             f"--oppo.overcommit {oppo.overcommit} fixes it: use --oppo.overcommit auto or drop the rule."
@@ -569,7 +519,7 @@ def _check_oppo(args, given) -> None:
         )
 
 
-def _streams(args) -> bool:
+def streams(args) -> bool:
     """'auto' streams unless the engines sleep on the scoring models' GPUs (the hybrid engine): their share of
     the GPU is set for vLLM alone there, and the scorers' KV caches would have to fit beside it. Where vLLM stays
     awake beside the models, streaming shortened the step in both paired runs on GPU (docs/RESULTS.md,
@@ -578,11 +528,11 @@ def _streams(args) -> bool:
     return args.oppo.intra_step == "on" or (args.oppo.intra_step == "auto" and not hybrid_engine)
 
 
-def _resolve_plan(args) -> None:
-    """Decide which roles stream and how the overcommit bounds fall, once, for every process."""
+def resolve_roles(args) -> None:
+    """Which models stream, and where the frozen ones run (``--oppo.frozen_scorers_on auto``)."""
     oppo = args.oppo
     roles = []
-    if _streams(args):
+    if streams(args):
         # The policy's GPUs are idle during generation unless the engines live on them.
         if not args.train.colocate_all:
             roles.append("policy")
@@ -598,20 +548,8 @@ def _resolve_plan(args) -> None:
         if oppo.frozen_scorers_on == "models" and oppo.colocate_models:
             _check_on_the_actors_gpus(args, ("reward", "ref"))
 
-    batch = args.rollout.batch_size
-    if oppo.overcommit_max is None:
-        oppo.overcommit_max = max(oppo.overcommit_min, math.ceil(batch / 4))
-    oppo.inter_step = oppo.overcommit == "auto" or oppo.overcommit > 0
-    oppo.overcommit_initial = (
-        min(oppo.overcommit_max, max(oppo.overcommit_min, math.ceil(batch / 8)))
-        if oppo.overcommit == "auto"
-        else oppo.overcommit
-    )
-    if oppo.critic_catch_up == "auto":
-        oppo.critic_catch_up = "next_batch" if _critic_catches_up_alone(args) else "next_step"
 
-
-def _critic_catches_up_alone(args) -> bool:
+def critic_catches_up_alone(args) -> bool:
     """'auto': the critic's catch-up of the next batch starts after its fit where it is the only prefill left after
     the sync (the engines score the policy's log-probs) and the models stay awake through training, as after_fit
     and next_batch need (the policy streams only apart from vLLM, not under --train.colocate_all)."""
@@ -651,7 +589,7 @@ def _unused(names, what: str, instead: str) -> OPPOConfigError:
     return OPPOConfigError(f"{flags} {verb} {what}: drop {it}, or {instead}.")
 
 
-def _check_streaming_plan(args, given) -> None:
+def check_streaming_plan(args, given) -> None:
     """Streaming settings that would quietly undo what was asked for."""
     oppo = args.oppo
     if "policy_logprobs" in given and "policy" not in oppo.streamed_roles:
@@ -708,7 +646,7 @@ def _check_streaming_plan(args, given) -> None:
 STREAM_INTERVAL = 16
 
 
-def _resolve_stream_interval(oppo) -> None:
+def resolve_stream_interval(oppo) -> None:
     """Chunks are cut from the engine's outputs: an interval larger than the smallest chunk would grow it."""
     smallest_chunk = CHUNK_CANDIDATES[0] if oppo.chunk_size == "auto" else oppo.chunk_size
     if oppo.stream_interval == "auto":
@@ -721,10 +659,10 @@ def _resolve_stream_interval(oppo) -> None:
         )
 
 
-def _check_overcommit_plan(args, given) -> None:
+def check_overcommit_plan(args, given) -> None:
     """Inter-step settings that have no effect, undo the overlap, or put more groups in flight than make sense."""
     oppo = args.oppo
-    auto_only = [name for name in OPTIONS if name.startswith("overcommit_") and name in given]
+    auto_only = [name for name in ALL_OPTIONS if name.startswith("overcommit_") and name in given]
     if not oppo.inter_step:
         unused = auto_only + [
             name
@@ -733,10 +671,12 @@ def _check_overcommit_plan(args, given) -> None:
         ]
         if unused:
             raise _unused(
-                unused, "inter-step overlap, which --oppo.overcommit 0 turns off", "give --oppo.overcommit N or auto"
+                unused,
+                "inter-step overlap, which --oppo.overcommit 0 or --oppo.max_lag 0 turns off",
+                "allow a lag with --oppo.max_lag N",
             )
         return
-    if "weight_sync" in given and not engines_decode_through_sync(args):
+    if "weight_sync" in given and (args.train.colocate_all or args.vllm.enable_sleep):
         raise _unused(
             ["weight_sync"],
             "how engines that decode carried requests on GPUs of their own receive the new weights, and here they "
@@ -760,11 +700,6 @@ def _check_overcommit_plan(args, given) -> None:
             "--oppo.overcommit auto with --oppo.overcommit_max 0 keeps Delta at 0: turn inter-step overlap off with "
             "--oppo.overcommit 0, or allow an --oppo.overcommit_max of 1 or more."
         )
-    if oppo.max_defer_steps == 0:
-        raise OPPOConfigError(
-            "--oppo.max_defer_steps 0 makes every step wait for all of its groups in flight, which undoes inter-step "
-            "overlap: use 1 or more (default 2), or turn it off with --oppo.overcommit 0."
-        )
     # With B + Delta groups in flight and B trained a step, a group waits about Delta / B steps: past
     # max_defer_steps most groups are overdue and every step waits for them.
     batch = args.rollout.batch_size
@@ -784,55 +719,3 @@ def _check_overcommit_plan(args, given) -> None:
                 f"there are prompts (--data.max_samples {args.data.max_samples}): use at most "
                 f"{max(args.data.max_samples - batch, 0)}."
             )
-
-
-def engines_decode_through_sync(args) -> bool:
-    """Whether the engines can decode carried requests while the weights are sent (``--oppo.weight_sync staged``):
-    on GPUs of their own and awake. Under ``--train.colocate_all`` they share the models' GPUs; with
-    ``--vllm.enable_sleep`` they sleep through the sync."""
-    return not args.train.colocate_all and not args.vllm.enable_sleep
-
-
-def pauses_carried_requests_after_generation(args) -> bool:
-    """Whether the engines pause their carried requests when a step's groups are done: where they share the
-    models' GPUs awake (``--train.colocate_all``, no ``--vllm.enable_sleep``), unless ``--oppo.colocated_decode
-    continue``. Asleep they decode nothing anyway; on GPUs of their own they always decode."""
-    return args.train.colocate_all and not args.vllm.enable_sleep and args.oppo.colocated_decode != "continue"
-
-
-def critic_catches_up_after_its_fit(args) -> bool:
-    """Whether the critic's held chunks go out as soon as its fit returns (``--oppo.critic_catch_up after_fit``,
-    or ``next_batch``, which sends only the next batch's), rather than when the next step starts."""
-    return args.oppo.critic_catch_up in ("after_fit", "next_batch")
-
-
-def resumes_carried_requests_for_training(args) -> bool:
-    """Whether the paused engines decode again once the step's experiences are made (``--oppo.colocated_decode
-    during_training``): the models' forward passes, which training waits for, get the GPU to themselves."""
-    return pauses_carried_requests_after_generation(args) and args.oppo.colocated_decode == "during_training"
-
-
-def describe(args) -> str:
-    """One line for the log: what OPPO will do in this run."""
-    oppo = args.oppo
-    if not oppo.enable:
-        return "OPPO off" + (" (models colocated, vLLM apart)" if oppo.colocate_models else "")
-    parts = [f"intra-step streaming to {', '.join(oppo.streamed_roles)}" if oppo.streamed_roles else "no streaming"]
-    if oppo.colocate_models:
-        parts.append(
-            f"reward and reference on the {'engines' if oppo.frozen_scorers_on == 'generation' else 'models'}' GPUs"
-        )
-    if oppo.inter_step:
-        parts.append(
-            f"overcommit {oppo.overcommit} (start {oppo.overcommit_initial}), carry_kv {oppo.carry_kv}, "
-            f"top-up at {oppo.top_up.replace('_', ' ')}"
-            + {
-                "after_fit": ", the critic's catch-up after its fit",
-                "next_batch": ", the critic's catch-up of the next batch after its fit",
-            }.get(oppo.critic_catch_up, "")
-            + (", decoding beside training" if oppo.colocated_decode != "pause" else "")
-            + (" (not beside making experiences)" if oppo.colocated_decode == "during_training" else "")
-        )
-    if oppo.policy_logprobs == "vllm" and "policy" in oppo.streamed_roles:
-        parts.append("the policy's log-probs from vLLM")
-    return "OPPO on: " + "; ".join(parts)

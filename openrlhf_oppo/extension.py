@@ -18,24 +18,34 @@ and the experience maker) are replaced by ``OPPOTrainer.__init__``, not here.
 | (in OPPOTrainer) SamplesGenerator          | samples.OPPOSamplesGenerator / overcommit.sampler.OvercommitSamplesGenerator | --oppo.enable |
 | (in OPPOTrainer) RemoteExperienceMaker     | experience.StreamingExperienceMaker | a role streams |
 
-The subclasses do nothing new until the trainer configures them from ``args.oppo`` (resolved once by
-``config.validate``), so swapping them in is safe whatever the rest of the options say.
+Each class is bound to the run's plan (``plan.resolve``, once, before Ray starts): the trainer and every model actor
+receive it as a constructor argument, so no process derives it again from ``args``.
 
 With ``patches/openrlhf`` applied, upstream's own ``train_ppo_ray`` loads this module as an extension
 (the ``openrlhf.extensions`` entry point): ``add_arguments`` and ``configure`` below, which sets
 upstream's ``COMPONENTS`` instead of swapping globals.
 """
 
+import importlib
 import sys
 
-from openrlhf_oppo import config
+from openrlhf_oppo import config, plan
 
 add_arguments = config.add_arguments
 
+_configured = {}  # id(args) -> args: the wrapper and a patched upstream's extension hook both call configure
+
 
 def configure(args) -> None:
-    """Upstream's extension hook (patches/openrlhf/0001): check the args and choose OPPO's classes."""
-    config.validate(args)
+    """Upstream's extension hook (patches/openrlhf/0001): resolve the plan, apply it, and choose OPPO's classes,
+    each given the plan."""
+    if _configured.get(id(args)) is args:
+        return
+    _configured[id(args)] = args
+    run_plan = plan.resolve(args)
+    plan.apply_upstream_changes(args, run_plan)
+    print(f"[openrlhf-oppo] {plan.describe(run_plan)}", flush=True)
+    config.warn_of_the_first_tokens_log_prob(args)
     if args.bench.seed_prompt_order:
         from openrlhf_oppo.bench import seeded_order
 
@@ -44,57 +54,77 @@ def configure(args) -> None:
         # Upstream's experience maker and trainer then treat the shared GPUs as colocated; a patched upstream's
         # train() places the models from these flags (patch 0002), the wrapper from placement.train.
         args.train.colocate_models = args.train.colocate_actor_ref = args.train.colocate_critic_reward = True
-        args.train.frozen_models_with_vllm = args.oppo.frozen_scorers_on == "generation"
-    if not (args.oppo.enable or args.bench.lengths_from_label):
+        args.train.frozen_models_with_vllm = run_plan.frozen_scorers_on == "generation"
+    if not (run_plan.enabled or args.bench.lengths_from_label):
         return
     from openrlhf_oppo.streaming.rollout import BoundActorClass, OPPORolloutRayActor, RolloutConfig, with_config
 
-    rollout = RolloutConfig(
-        lengths_from_label=args.bench.lengths_from_label, stream_interval=args.oppo.stream_interval
-    )
+    rollout = RolloutConfig(lengths_from_label=args.bench.lengths_from_label, stream_interval=run_plan.stream_interval)
     components = sys.modules["__main__"].__dict__.get("COMPONENTS")
     if components is None:
-        # The unpatched driver: install() swapped the class before the options were parsed. Bind the options to
-        # it now, before create_vllm_engines reads the global (a mere parse, without install, swaps nothing).
+        # The unpatched driver: install() swapped the classes before the options were parsed. Bind the plan to
+        # them now, before train() reads them (a mere parse, without install, swaps nothing).
         from openrlhf.trainer.ray import vllm_engine
 
         if isinstance(vllm_engine.RolloutRayActor, BoundActorClass):
             vllm_engine.RolloutRayActor = with_config(OPPORolloutRayActor, rollout)
+            if run_plan.enabled:
+                _bind_swapped_classes(run_plan)
         return
     components.update(rollout=OPPORolloutRayActor, rollout_kwargs=dict(oppo_config=vars(rollout)))
-    if args.oppo.enable:
-        from openrlhf_oppo.streaming import actors
-        from openrlhf_oppo.trainer import OPPOTrainerRayActor
+    if run_plan.enabled:
+        components.update({role: BoundActorClass(cls, dict(plan=run_plan)) for role, cls in _oppo_classes().items()})
 
-        components.update(
-            policy=actors.StreamingPolicyModelRayActor,
-            critic=actors.StreamingCriticModelRayActor,
-            reward=actors.StreamingRewardModelRayActor,
-            reference=actors.StreamingReferenceModelRayActor,
-            trainer=OPPOTrainerRayActor,
-        )
+
+def _oppo_classes() -> dict:
+    from openrlhf_oppo.streaming import actors
+    from openrlhf_oppo.trainer import OPPOTrainerRayActor
+
+    return dict(
+        policy=actors.StreamingPolicyModelRayActor,
+        critic=actors.StreamingCriticModelRayActor,
+        reward=actors.StreamingRewardModelRayActor,
+        reference=actors.StreamingReferenceModelRayActor,
+        trainer=OPPOTrainerRayActor,
+    )
+
+
+# Where the unpatched driver (and placement.train) reads each class: (module, global name), by role.
+_UPSTREAM_NAMES = dict(
+    policy=("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor"),
+    critic=("openrlhf.trainer.ray.ppo_critic", "CriticModelActor"),
+    reward=("openrlhf.trainer.ray.launcher", "RewardModelActor"),
+    reference=("openrlhf.trainer.ray.launcher", "ReferenceModelActor"),
+    trainer=("openrlhf.trainer.ppo_trainer", "PPOTrainer"),
+)
+
+
+def _bind_swapped_classes(run_plan) -> None:
+    """The unpatched driver imported the model actor classes into its globals when it started, and reads the
+    trainer from its module when train() runs: bind the plan in both places."""
+    from openrlhf_oppo.streaming.rollout import BoundActorClass
+
+    driver = sys.modules["__main__"].__dict__
+    for role, cls in _oppo_classes().items():
+        module, name = _UPSTREAM_NAMES[role]
+        bound = BoundActorClass(cls, dict(plan=run_plan))
+        setattr(importlib.import_module(module), name, bound)
+        if driver.get(name) is cls:
+            driver[name] = bound
 
 
 def install(enable: bool, lengths_from_label: bool = False) -> None:
-    from openrlhf.trainer import ppo_trainer
-    from openrlhf.trainer.ray import launcher, ppo_actor, ppo_critic, vllm_engine
+    from openrlhf.trainer.ray import vllm_engine
 
     from openrlhf_oppo.streaming.rollout import OPPORolloutRayActor, RolloutConfig, with_config
 
     if enable or lengths_from_label:
-        config = RolloutConfig(lengths_from_label=lengths_from_label)
-        vllm_engine.RolloutRayActor = with_config(OPPORolloutRayActor, config)
+        vllm_engine.RolloutRayActor = with_config(OPPORolloutRayActor, RolloutConfig(lengths_from_label))
     if not enable:
         return
-
-    from openrlhf_oppo.streaming import actors
-    from openrlhf_oppo.trainer import OPPOTrainerRayActor
-
-    launcher.RewardModelActor = actors.StreamingRewardModelRayActor
-    launcher.ReferenceModelActor = actors.StreamingReferenceModelRayActor
-    ppo_critic.CriticModelActor = actors.StreamingCriticModelRayActor
-    ppo_actor.PolicyModelActor = actors.StreamingPolicyModelRayActor
-    ppo_trainer.PPOTrainer = OPPOTrainerRayActor
+    for role, cls in _oppo_classes().items():
+        module, name = _UPSTREAM_NAMES[role]
+        setattr(importlib.import_module(module), name, cls)
 
 
 def replace_placement(driver_globals: dict) -> None:

@@ -56,7 +56,7 @@ def train(args):
     # colocate_critic_reward, both removed here), and, with the frozen models beside vLLM, one for the
     # engines' GPUs (upstream lets create_vllm_engines make it). config.validate checked the GPU counts. ---
     pg = _gpu_group(args.actor.num_nodes * args.actor.num_gpus_per_node)
-    frozen_with_vllm = args.oppo.frozen_scorers_on == "generation"
+    frozen_with_vllm = getattr(args.train, "frozen_models_with_vllm", False)  # extension.configure, from the plan
     vllm_pg = _gpu_group(args.vllm.num_engines * args.vllm.tensor_parallel_size) if frozen_with_vllm else None
 
     # init vLLM engine for text generation

@@ -14,12 +14,7 @@ import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 from openrlhf.utils.logging_utils import init_logger
 
-from openrlhf_oppo.config import (
-    critic_catches_up_after_its_fit,
-    describe,
-    pauses_carried_requests_after_generation,
-    resumes_carried_requests_for_training,
-)
+from openrlhf_oppo.plan import describe
 from openrlhf_oppo.coordinator import StreamCoordinator, phase
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
@@ -28,7 +23,6 @@ from openrlhf_oppo.protocol import FROZEN_ROLES, ROLES, ResourceReading, ScorerS
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming.chunking import ChunkSizeController
 from openrlhf_oppo.trace import Tracer, write_trace
-from openrlhf_oppo.weight_sync import SyncPlan
 
 logger = init_logger(__name__)
 
@@ -52,8 +46,12 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         reward_model_group,
         reference_model_group,
         vllm_engines,
+        plan=None,
         **generate_kwargs,
     ):
+        if plan is None:
+            raise ValueError("OPPOTrainer runs the plan it is given (plan.resolve; extension.configure binds it)")
+        self.plan = plan
         wait_for_awake_colocated_engines(strategy.args, vllm_engines)
         super().__init__(
             pretrain,
@@ -65,13 +63,13 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             vllm_engines,
             **generate_kwargs,
         )
-        oppo = self.args.oppo
-        logger.info(describe(self.args))
+        oppo = self.plan
+        logger.info(describe(self.plan))
         self.tracer = Tracer(enabled=oppo.trace_dir is not None, process="trainer")
         self.policy_version = 0
         self.weight_sync_metrics = {}
         self.cpu_seconds = {}  # (kind, index) -> CPU seconds at the last step: oppo/cpu/* is per step
-        self.chunk_controller = ChunkSizeController(fixed=None if oppo.chunk_size == "auto" else oppo.chunk_size)
+        self.chunk_controller = ChunkSizeController(fixed=oppo.chunk_size)
         groups = dict(
             policy=actor_model_group,
             critic=critic_model_group,
@@ -104,7 +102,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             self.experience_maker.on_scores_collected = self._prefetch_critic_states
 
     def _make_samples_generator(self, strategy, vllm_engines):
-        oppo, args = self.args.oppo, self.args
+        oppo, args = self.plan, self.args
         kwargs = dict(
             strategy=strategy,
             prompts_dataloader=self.prompts_dataloader,
@@ -117,15 +115,15 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         if not oppo.inter_step:
             return OPPOSamplesGenerator(**kwargs)
         bounds = dict(
-            initial=oppo.overcommit_initial,
-            auto=oppo.overcommit == "auto",
-            window=oppo.overcommit_window,
-            inc=oppo.overcommit_inc,
-            dec=oppo.overcommit_dec,
-            minimum=oppo.overcommit_min,
-            maximum=oppo.overcommit_max,
+            initial=oppo.overcommit.initial,
+            auto=oppo.overcommit.auto,
+            window=oppo.overcommit.window,
+            inc=oppo.overcommit.inc,
+            dec=oppo.overcommit.dec,
+            minimum=oppo.overcommit.minimum,
+            maximum=oppo.overcommit.maximum,
         )
-        if oppo.overcommit_rule == "throughput":
+        if oppo.overcommit.rule == "throughput":
             controller = ThroughputController(batch=args.rollout.batch_size, **bounds)
         else:
             controller = OvercommitController(**bounds)
@@ -133,14 +131,14 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             **kwargs,
             controller=controller,
             max_defer_steps=oppo.max_defer_steps,
-            pause_between_steps=pauses_carried_requests_after_generation(args),
+            pause_between_steps=self.plan.pauses_after_generation,
             top_up_at_step_end=oppo.top_up == "step_end",
         )
 
     # -- set-up once the models are loaded ----------------------------------------------------
 
     def fit(self, global_step: int = 0) -> None:
-        oppo = self.args.oppo
+        oppo = self.plan
         self.coordinator.connect(
             ScorerSettings(
                 cache_budget_bytes=int(oppo.cache_budget_gb * 2**30),
@@ -163,7 +161,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     def _frozen_affinity(self) -> dict:
         """With the frozen models on the engines' GPUs, each engine streams to the rank on its own first GPU
         (placement.train puts rank r and engine r // TP on bundle r of the engines' placement group)."""
-        if self.args.oppo.frozen_scorers_on != "generation":
+        if self.plan.frozen_scorers_on != "generation":
             return {}
         tp = self.args.vllm.tensor_parallel_size
         first_gpus = [engine * tp for engine in range(len(self.vllm_engines))]
@@ -182,18 +180,29 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         status.update(self._oppo_metrics(status))
         if self.tracer.enabled:
             events = self.tracer.drain() + self.coordinator.drain_traces()
-            write_trace(os.path.join(self.args.oppo.trace_dir, f"step_{global_step:05d}.json"), events)
+            write_trace(os.path.join(self.plan.trace_dir, f"step_{global_step:05d}.json"), events)
         return status, global_step
 
     def _policy_lag(self, rollout_samples) -> dict:
-        """How many weight versions the first token of each sample is behind the policy it trains (0: on-policy)."""
+        """How many weight versions the first token of each sample is behind the policy it trains (0: on-policy),
+        checked against ``--oppo.max_lag``: the sampler's deadlines keep every sample within it, so a sample above
+        it is a bug, and training on it would break the bound the user set."""
         streams = [getattr(s, "stream", None) for s in rollout_samples]
         lags = [
             self.policy_version - s.first_version for s in streams if s is not None and s.first_version is not None
         ]
         if not lags:
             return {}
-        return {"oppo/policy_lag_mean": sum(lags) / len(lags), "oppo/policy_lag_max": float(max(lags))}
+        if self.plan.inter_step and max(lags) > self.plan.max_lag:
+            raise RuntimeError(
+                f"a sample {max(lags)} weight versions behind reached training, above --oppo.max_lag "
+                f"{self.plan.max_lag}"
+            )
+        return {
+            "oppo/policy_lag_mean": sum(lags) / len(lags),
+            "oppo/policy_lag_max": float(max(lags)),
+            "oppo/max_lag": float(self.plan.max_lag),
+        }
 
     def _discard_dropped(self) -> dict:
         """Free the scores of the streamed sequences that training will not see (dropped by dynamic filtering,
@@ -237,14 +246,14 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
 
     def ppo_train(self, global_steps):
         paused_s = None
-        if resumes_carried_requests_for_training(self.args) and self.samples_generator.groups:
+        if self.plan.resumes_for_training and self.samples_generator.groups:
             # --oppo.colocated_decode during_training: the experiences are made, so the carried requests, which
             # the sampler paused when the step's groups were done, decode beside training.
             paused_s = self.coordinator.unpause()
         with self.tracer.span("ppo_train", track="trainer"), phase("training"):
-            if self.args.oppo.state_moves == "overlap" and self.critic_model_group is not None:
+            if self.plan.state_moves == "overlap" and self.critic_model_group is not None:
                 status = self._train_overlapping_state_moves(global_steps)  # --oppo.critic_catch_up too
-            elif critic_catches_up_after_its_fit(self.args) and self.critic_model_group is not None:
+            elif self.plan.critic_catches_up_after_fit and self.critic_model_group is not None:
                 status = self._train_releasing_the_critic(global_steps)
             else:
                 status = super().ppo_train(global_steps)
@@ -278,7 +287,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         after each update of its weights, so the others' would be prefilled twice. They stay held until that
         step's ``make_experience`` sends those of its batch (an overdue group that took the place of one included)."""
         streams = None
-        if self.args.oppo.critic_catch_up == "next_batch":
+        if self.plan.critic_catch_up == "next_batch":
             streams = self.samples_generator.next_batch_streams()
         self.coordinator.catch_up("critic", streams)
         return {"oppo/critic_catch_up_batch_only": float(streams is not None)}
@@ -312,7 +321,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         status.update(ray.get(critic_fit)[0])
         # --- OPPO change: the critic's states go back during the policy's fit (upstream: before its reload). ---
         critic_offload = critic.async_run_method(method_name="offload_states")
-        if critic_catches_up_after_its_fit(self.args):
+        if self.plan.critic_catches_up_after_fit:
             # Its weights are final: its held chunks are scored beside the policy's fit (the calls queue behind the
             # offload, which leaves the weights on the GPU).
             status.update(self._critic_catch_up())
@@ -333,13 +342,13 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     def broadcast_to_vllm(self) -> None:
         """Upstream's weight sync, in buckets (``weight_sync.py``); with requests in flight the engines pause
         around it, or only to load the new weights that they received while decoding (``--oppo.weight_sync``)."""
-        oppo = self.args.oppo
+        oppo = self.plan
         self.policy_version += 1
         with self.tracer.span("weight_sync", track="trainer"), phase("syncing the weights to vLLM"):
             self.weight_sync_metrics = self.coordinator.sync_weights(
                 super().broadcast_to_vllm,
-                staged=SyncPlan.from_args(self.args).staged,
-                pause=oppo.inter_step and not self.args.vllm.enable_sleep,
+                staged=self.plan.staged_sync,
+                pause=oppo.inter_step and not oppo.vllm_sleeps,
                 clear_cache=oppo.carry_kv == "recompute",
                 weight_version=self.policy_version,
             )

@@ -38,28 +38,22 @@ import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from openrlhf_oppo.config import SYNC_BUCKET_MB as DEFAULT_BUCKET_MB
-from openrlhf_oppo.config import engines_decode_through_sync
 
 UPSTREAM_WORKER_WRAP = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
 
 
 @dataclass(frozen=True)
 class SyncPlan:
-    """How the policy reaches the engines; the trainer and every policy rank derive it from the same args."""
+    """How the policy reaches the engines: the trainer and every policy rank read it from the run's plan."""
 
     bucket_bytes: int = DEFAULT_BUCKET_MB << 20  # 0: upstream's sync, parameter by parameter
     staged: bool = False  # receive while the engines decode, load under a short pause
 
     @classmethod
-    def from_args(cls, args) -> "SyncPlan":
-        """``--vllm.sync_bucket_mb`` (patch 0007's flag; 512 MB where upstream lacks it) and
-        ``--oppo.weight_sync staged|paused``. Staging pays only where the engines decode through the sync:
-        carried requests (inter-step overlap), engines awake and on GPUs of their own."""
-        bucket_mb = getattr(args.vllm, "sync_bucket_mb", DEFAULT_BUCKET_MB)
-        oppo = args.oppo
-        decoding = oppo.inter_step and engines_decode_through_sync(args)
-        staged = bucket_mb > 0 and decoding and getattr(oppo, "weight_sync", "staged") == "staged"
-        return cls(int(bucket_mb * 1024 * 1024), staged)
+    def of(cls, plan) -> "SyncPlan":
+        """``--vllm.sync_bucket_mb`` (patch 0007's flag; 512 MB where upstream lacks it) and ``--oppo.weight_sync``:
+        staging pays only where the engines decode through the sync (``Plan.staged_sync``)."""
+        return cls(int(plan.sync_bucket_mb) << 20, plan.staged_sync)
 
 
 # -- buckets ------------------------------------------------------------------------------------------
@@ -194,11 +188,11 @@ def broadcast_to_vllm(trainer, plan: SyncPlan) -> int:
 
 class WeightSyncPolicyMixin:
     """For the policy model actor (a subclass of upstream's ``PolicyModelActor``): ``broadcast_to_vllm`` in
-    buckets, staged or loaded on arrival as ``SyncPlan.from_args`` says; ``--vllm.sync_bucket_mb 0`` runs
-    upstream's own."""
+    buckets, staged or loaded on arrival as the run's plan says; ``--vllm.sync_bucket_mb 0`` runs upstream's
+    own."""
 
     def broadcast_to_vllm(self):
-        plan = SyncPlan.from_args(self.strategy.args)
+        plan = SyncPlan.of(self.oppo_plan)
         if plan.bucket_bytes == 0:
             return super().broadcast_to_vllm()
         broadcast_to_vllm(self.trainer, plan)

@@ -9,12 +9,8 @@ import sys
 import pytest
 
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
-from openrlhf_oppo.config import (
-    OPPOConfigError,
-    describe,
-    pauses_carried_requests_after_generation,
-    resumes_carried_requests_for_training,
-)
+from openrlhf_oppo.config import OPPOConfigError
+from openrlhf_oppo.plan import describe, resolve
 
 BASE = [
     "--actor.model_name_or_path", "m",
@@ -80,6 +76,16 @@ def test_help_lists_every_oppo_option(help_text):
         assert f"--oppo.{name}" in help_text
 
 
+def test_the_oppo_group_shows_at_most_eight_options_and_the_advanced_ones_one_sentence_each(help_text):
+    """What a user meets first is the plan's knobs; the mechanism switches sit in a group of their own."""
+    main = help_text[help_text.index("OPPO (pipeline overlap)") : help_text.index("OPPO advanced")]
+    advanced = help_text[help_text.index("OPPO advanced") : help_text.index("Benchmark workload")]
+    assert len(re.findall(r"\n  --oppo\.", main)) <= 8
+    for entry in re.split(r"\n  (?=--)", advanced)[1:]:
+        flag, sentence = entry.split()[0], " ".join(entry.split()).split(" Default: ")[0]
+        assert sentence.count(". ") == 0 and not re.search(r"[0-9]\.[0-9]+x", sentence), flag
+
+
 def _option_help(help_text):
     """Each --oppo.* / --bench.* option's entry in the help (flag, value and sentence), whitespace folded."""
     ours = help_text[help_text.index("OPPO (pipeline overlap)") :]
@@ -88,10 +94,10 @@ def _option_help(help_text):
 
 
 def test_help_shows_every_default_and_what_each_option_takes(help_text):
-    from openrlhf_oppo.config import OPTIONS
+    from openrlhf_oppo.config import ALL_OPTIONS
 
     entries = _option_help(help_text)
-    assert set(entries) == {"--oppo.enable"} | {f"--oppo.{n}" for n in OPTIONS} | {
+    assert set(entries) == {"--oppo.enable"} | {f"--oppo.{n}" for n in ALL_OPTIONS} | {
         "--bench.lengths_from_label",
         "--bench.seed_prompt_order",
     }
@@ -100,7 +106,7 @@ def test_help_shows_every_default_and_what_each_option_takes(help_text):
         assert "OPPO." not in entry and "BENCH." not in entry, f"{flag}: give it a metavar"
     assert entries["--oppo.chunk_size"].startswith("--oppo.chunk_size N|auto ")
     assert entries["--oppo.overcommit"].startswith("--oppo.overcommit N|auto ")
-    assert entries["--oppo.cache_budget_gb"].endswith("Default: 4.")
+    assert "Default: 4," in entries["--oppo.cache_budget_gb"]
     assert entries["--oppo.intra_step"].startswith("--oppo.intra_step {auto,on,off} ")
     assert entries["--oppo.intra_step"].endswith("Default: auto.")
     assert entries["--oppo.enable"].endswith("Default: off.")
@@ -121,7 +127,7 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--train.colocate_all", "--vllm.enable_sleep", "--oppo.carry_kv", "keep"], "carry_kv"),
         (["--oppo.enable", "--oppo.overcommit_min", "5", "--oppo.overcommit_max", "2"], "overcommit_min"),
         (
-            ["--oppo.enable", "--train.colocate_all", "--oppo.top_up", "step_end"],
+            ["--oppo.enable", "--train.colocate_all", "--oppo.top_up", "step_end", "--oppo.colocated_decode", "pause"],
             "with --oppo.colocated_decode continue",
         ),
         (["--oppo.enable", "--oppo.colocated_decode", "continue"], "decode through training anyway: drop it"),
@@ -132,14 +138,20 @@ def test_help_quotes_no_benchmark_results(help_text):
         ),
         (
             ["--oppo.enable", "--train.colocate_all", "--oppo.overcommit", "0", "--oppo.colocated_decode", "continue"],
-            "--oppo.overcommit 0 turns off",
+            "--oppo.max_lag 0 turns off",
         ),
         (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.top_up", "step_end"], "needs inter-step overlap"),
         (["--oppo.enable", "--train.colocate_all", "--oppo.weight_sync", "paused"], "place vLLM apart, awake"),
         (["--oppo.enable", "--vllm.enable_sleep", "--oppo.weight_sync", "staged"], "sleep through the sync"),
-        (["--oppo.enable", "--ds.enable_sleep", "--oppo.critic_catch_up", "after_fit"], "add --oppo.state_moves"),
-        (["--oppo.enable", "--ds.enable_sleep", "--oppo.critic_catch_up", "next_batch"], "add --oppo.state_moves"),
-        (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.critic_catch_up", "after_fit"], "overcommit 0 turns off"),
+        (
+            ["--oppo.enable", "--ds.enable_sleep", "--oppo.critic_catch_up", "after_fit", "--oppo.state_moves", "serial"],
+            "add --oppo.state_moves",
+        ),
+        (
+            ["--oppo.enable", "--ds.enable_sleep", "--oppo.critic_catch_up", "next_batch", "--oppo.state_moves", "serial"],
+            "add --oppo.state_moves",
+        ),
+        (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.critic_catch_up", "after_fit"], "max_lag 0 turns off"),
         (["--oppo.enable", "--oppo.intra_step", "off", "--oppo.critic_catch_up", "after_fit"], "no critic streams"),
         (["--oppo.enable", "--oppo.policy_logprobs", "vllm", "--rollout.temperature", "0.7"], "given 0.7"),
         (["--oppo.enable", "--oppo.policy_logprobs", "vllm", "--vllm.enable_sleep"], "no --vllm.enable_sleep"),
@@ -169,12 +181,13 @@ def test_help_quotes_no_benchmark_results(help_text):
             + ["--algo.advantage.estimator", "reinforce", "--algo.kl.init_coef", "0"],
             "no model of this run can stream",
         ),
-        (["--oppo.enable", "--oppo.overcommit", "100000"], "Use at most 32"),  # max_defer_steps 2 x batch 16
-        (["--oppo.enable", "--oppo.overcommit", "8", "--oppo.max_defer_steps", "0"], "max_defer_steps 0 makes"),
-        (["--oppo.enable", "--oppo.overcommit_max", "40"], "--oppo.overcommit_max 40 is above"),
+        (["--oppo.enable", "--oppo.overcommit", "100000"], "Use at most 48"),  # max_defer_steps 3 x batch 16
+        (["--oppo.enable", "--oppo.overcommit_max", "60"], "--oppo.overcommit_max 60 is above"),
+        (["--oppo.enable", "--oppo.max_lag", "0", "--oppo.overcommit", "8"], "drop one of them"),
+        (["--oppo.enable", "--oppo.max_lag", "2", "--oppo.max_defer_steps", "3"], "above --oppo.max_lag 2"),
         (["--oppo.enable", "--oppo.overcommit_max", "0"], "keeps Delta at 0"),
         (["--oppo.enable", "--oppo.overcommit", "8", "--data.max_samples", "20"], "use at most 4"),
-        (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.max_defer_steps", "3"], "--oppo.overcommit 0 turns off"),
+        (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.max_defer_steps", "3"], "--oppo.max_lag 0 turns off"),
         (["--oppo.enable", "--oppo.overcommit", "4", "--oppo.overcommit_window", "3"], "drop it, or use auto"),
         (["--oppo.enable", "--oppo.trace_dir", __file__], "is a file"),
         (["--oppo.enable", "--oppo.profile_step", "2"], "add --oppo.trace_dir"),
@@ -192,7 +205,7 @@ def test_bad_combinations_are_refused_with_what_to_do(extra, message):
     [
         ([], False, False),  # the engines have GPUs of their own
         (["--train.colocate_all", "--vllm.enable_sleep"], False, False),  # asleep through training
-        (["--train.colocate_all"], True, False),
+        (["--train.colocate_all"], True, True),  # auto: they decode beside training
         (["--train.colocate_all", "--oppo.colocated_decode", "pause"], True, False),
         (
             ["--train.colocate_all", "--oppo.colocated_decode", "during_training", "--oppo.top_up", "step_end"],
@@ -207,12 +220,12 @@ def test_colocated_engines_pause_carried_requests_in_training_unless_they_contin
     step's groups are done (``pause_between_steps``) until the weight sync; with --oppo.colocated_decode
     during_training they decode again once the experiences are made, and with continue they never pause. Under
     either, the next step's prompts may start at the step's end too."""
-    args = parse_args(BASE + ["--oppo.enable", "--oppo.overcommit", "4"] + flags)
-    assert pauses_carried_requests_after_generation(args) == pauses
-    assert resumes_carried_requests_for_training(args) == resumes
-    beside = "continue" in flags or "during_training" in flags
-    assert ("decoding beside training" in describe(args)) == beside
-    assert ("not beside making experiences" in describe(args)) == resumes
+    plan = resolve(parse_args(BASE + ["--oppo.enable", "--oppo.overcommit", "4"] + flags))
+    assert plan.pauses_after_generation == pauses
+    assert plan.resumes_for_training == resumes
+    beside = plan.colocate_all and plan.colocated_decode != "pause"
+    assert ("decoding beside training" in describe(plan)) == beside
+    assert ("not beside making experiences" in describe(plan)) == resumes
 
 
 @pytest.mark.parametrize(
@@ -224,7 +237,8 @@ def test_colocated_engines_pause_carried_requests_in_training_unless_they_contin
         ("cache_budget_gb", "nan"),
         ("cache_budget_gb", "inf"),
         ("cache_budget_gb", "-1"),
-        ("max_defer_steps", "-1"),
+        ("max_defer_steps", "0"),
+        ("max_lag", "-1"),
         ("overcommit_window", "1"),
         ("profile_step", "-1"),
     ],
@@ -265,22 +279,22 @@ def test_the_cli_ends_with_one_line_before_ray_starts(value, code, message):
     ],
 )
 def test_which_roles_stream(extra, streamed):
-    args = parse_args(BASE + ["--oppo.enable"] + extra)
-    assert args.oppo.streamed_roles == streamed
+    assert list(resolve(parse_args(BASE + ["--oppo.enable"] + extra)).streamed_roles) == streamed
 
 
 @pytest.mark.parametrize(
     "extra, interval", [([], 16), (["--oppo.chunk_size", "8"], 8), (["--oppo.stream_interval", "1"], 1)]
 )
 def test_the_stream_interval_never_exceeds_the_smallest_chunk(extra, interval):
-    assert parse_args(BASE + ["--oppo.enable"] + extra).oppo.stream_interval == interval
+    assert resolve(parse_args(BASE + ["--oppo.enable"] + extra)).stream_interval == interval
 
 
-def test_overcommit_defaults_follow_the_batch_size():
-    args = parse_args(BASE + ["--oppo.enable"])
-    assert args.oppo.inter_step and args.oppo.overcommit == "auto"
-    assert (args.oppo.overcommit_initial, args.oppo.overcommit_max) == (2, 4)  # B/8 and B/4 for B=16
-    assert not parse_args(BASE + ["--oppo.enable", "--oppo.overcommit", "0"]).oppo.inter_step
+def test_overcommit_defaults_follow_the_batch_size_and_the_lag_bound():
+    plan = resolve(parse_args(BASE + ["--oppo.enable"]))
+    assert plan.inter_step and plan.overcommit.auto and plan.max_lag == 3
+    assert (plan.overcommit.initial, plan.overcommit.maximum, plan.max_defer_steps) == (16, 32, 3)  # B, 2B for B=16
+    assert not resolve(parse_args(BASE + ["--oppo.enable", "--oppo.overcommit", "0"])).inter_step
+    assert not resolve(parse_args(BASE + ["--oppo.enable", "--oppo.max_lag", "0"])).inter_step
 
 
 def test_colocate_models_without_oppo_marks_models_colocated():
@@ -344,7 +358,7 @@ def test_the_importance_correction_warns_of_the_first_tokens_log_prob(correction
 )
 def test_frozen_scorers_go_beside_vllm_where_they_fit(extra, placed, capsys):
     args = parse_args(SPLIT_2GPU + extra)
-    assert args.oppo.frozen_scorers_on == placed
+    assert resolve(args).frozen_scorers_on == placed
     assert args.train.frozen_models_with_vllm == (placed == "generation")
     # Only 'auto' finding no room beside vLLM explains itself, with what would make room.
     note = "--vllm.gpu_memory_utilization 0.95 leaves them no room beside vLLM (at most 0.8 would)"
@@ -377,16 +391,16 @@ def test_policy_logprobs_from_vllm_leave_the_policy_streamed_and_say_so(capsys):
     """``--oppo.policy_logprobs vllm``: the policy is still a streamed role (its scores come with the stream), the
     trainer's coordinator puts the engines where its ranks would be (``OPPOTrainer.__init__``), and the log says
     so before Ray starts."""
-    args = parse_args(BASE + ["--oppo.enable", "--oppo.policy_logprobs", "vllm"])
-    assert args.oppo.policy_logprobs == "vllm" and "policy" in args.oppo.streamed_roles
+    plan = resolve(parse_args(BASE + ["--oppo.enable", "--oppo.policy_logprobs", "vllm"]))
+    assert plan.policy_logprobs == "vllm" and "policy" in plan.streamed_roles
     assert "the policy's log-probs from vLLM" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "extra, catch_up",
     [
-        ([], "next_step"),
-        (["--oppo.policy_logprobs", "vllm"], "next_batch"),
+        ([], "next_batch"),  # the plan takes the policy's log-probs from vLLM here
+        (["--oppo.policy_logprobs", "policy"], "next_step"),
         (["--oppo.policy_logprobs", "vllm", "--oppo.critic_catch_up", "next_step"], "next_step"),
         (["--oppo.policy_logprobs", "vllm", "--oppo.overcommit", "0"], "next_step"),
         (["--oppo.critic_catch_up", "after_fit"], "after_fit"),
@@ -395,8 +409,7 @@ def test_policy_logprobs_from_vllm_leave_the_policy_streamed_and_say_so(capsys):
 def test_critic_catch_up_auto_catches_up_after_the_fit_where_the_engines_score_the_policy(extra, catch_up, capsys):
     """'auto' picks next_batch (after_fit, of the next batch only) only where the critic's catch-up is the one
     prefill left after the weight sync."""
-    args = parse_args(BASE + ["--oppo.enable"] + extra)
-    assert args.oppo.critic_catch_up == catch_up
+    assert resolve(parse_args(BASE + ["--oppo.enable"] + extra)).critic_catch_up == catch_up
     out = capsys.readouterr().out
     assert ("the critic's catch-up after its fit" in out) == (catch_up == "after_fit")
     assert ("the critic's catch-up of the next batch after its fit" in out) == (catch_up == "next_batch")
@@ -414,5 +427,5 @@ def test_frozen_scorers_with_the_engines_rank_count_go_beside_vllm_or_are_refuse
             parse_args(argv)
         return
     args = parse_args(argv)
-    assert args.oppo.frozen_scorers_on == "generation" and args.train.frozen_models_with_vllm
+    assert resolve(args).frozen_scorers_on == "generation" and args.train.frozen_models_with_vllm
     assert args.reward.num_gpus_per_node == args.ref.num_gpus_per_node == 1

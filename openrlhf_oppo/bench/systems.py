@@ -8,7 +8,11 @@ that is upstream OpenRLHF (``--bench.lengths_from_label`` only fixes the respons
   ``--oppo.colocate_models`` (with OPPO off for the baseline); upstream's async trainer gets the same
   placement from ``--train.colocate_all``, which in async mode places only the DeepSpeed models together.
 * ``colocated``: everything on every GPU, upstream's hybrid engine (vLLM and DeepSpeed sleep in turn). With
-  ``ds_sleep=False`` the models' DeepSpeed states stay on the GPU in every system (no ``--ds.enable_sleep``).
+  ``ds_sleep=False`` the models' DeepSpeed states stay on the GPU in every system (no ``--ds.enable_sleep``);
+  ``upstream-sync-states-on-gpu`` is upstream sync so whatever ``ds_sleep`` says.
+
+``oppo`` is what a user runs: the upstream-sync system's flags plus ``--oppo.enable``, everything else the plan's.
+The other OPPO systems pin mechanism flags, for ablations.
 
 Variants of ``oppo-both``:
 
@@ -27,7 +31,9 @@ awake systems may need a smaller one, through ``--oppo_extra``, to leave trainin
 
 SYSTEMS = (
     "upstream-sync",
+    "upstream-sync-states-on-gpu",
     "upstream-async",
+    "oppo",
     "oppo-intra",
     "oppo-inter",
     "oppo-both",
@@ -44,7 +50,7 @@ AWAKE = ("oppo-both-awake", "oppo-both-awake-keep", "oppo-inter-awake")
 # Carried requests keep the KV cache of the weights that decoded them (--oppo.carry_kv keep).
 KEEP_KV = ("oppo-both-keep", "oppo-both-awake-keep")
 DECODE_BESIDE_TRAINING = ["--oppo.colocated_decode", "during_training", "--oppo.top_up", "step_end"]
-COLOCATED_ONLY = AWAKE
+COLOCATED_ONLY = AWAKE + ("upstream-sync-states-on-gpu",)
 INTER_ONLY = ("oppo-inter", "oppo-inter-awake")  # no intra-step streaming
 # The OPPO systems whose reward and reference models stay on the models' GPUs in the split placement: they do not
 # stream, or are told to stay. Every other one streams them, and --oppo.frozen_scorers_on auto puts them beside vLLM.
@@ -63,13 +69,15 @@ def system_flags(system: str, placement: str, overcommit: int, ds_sleep: bool = 
         return ["--train.async_enable", "--train.partial_rollout_enable", "--train.colocate_all"]
 
     flags = ["--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep"] if colocated else []
-    if colocated and not ds_sleep:
+    if colocated and (not ds_sleep or system == "upstream-sync-states-on-gpu"):
         flags.remove("--ds.enable_sleep")
     if system in AWAKE:
         flags.remove("--vllm.enable_sleep")
-    if system == "upstream-sync":
+    if system.startswith("upstream-sync"):
         return flags + ([] if colocated else ["--oppo.colocate_models"])
     flags += ["--oppo.enable"] + ([] if colocated else ["--oppo.colocate_models"])
+    if system == "oppo":
+        return flags
     if system == "oppo-intra":
         return flags + ["--oppo.intra_step", "on", "--oppo.overcommit", "0"]
     intra_step = "off" if system in INTER_ONLY else "on"
@@ -187,7 +195,7 @@ def cluster_flags(
         ("ref", frozen_gpus),
     ):
         flags += [f"--{role}.num_nodes", "1", f"--{role}.num_gpus_per_node", str(role_gpus)]
-    if system.startswith("oppo"):
+    if system.startswith("oppo-"):  # the ablations; ``oppo`` is the flag swap alone
         flags += ["--oppo.trace_dir", f"{out}/trace/{name}"]
         if system not in INTER_ONLY:
             flags += ["--oppo.cache_budget_gb", str(cache_budget_gb)]

@@ -12,7 +12,8 @@ already done when the step started. A step *waited* if fewer than B groups were 
 the B-th came more than ``tolerance_s`` later; it had a *surplus* if at least B + ``dec`` groups were
 done at its start: those beyond B are carried once more, a weight version older, for no gain. Over the
 last ``w`` steps since Delta last changed: if most waited, Delta grows by ``inc``; if all had a surplus,
-it shrinks by ``dec``, which still leaves B groups done; otherwise it stays. The two cannot hold in one
+it shrinks by ``dec``, which still leaves B groups done; if most waited past the B-th group for groups that the lag
+bound made due (``overdue``: more in flight than the bound lets carry), it shrinks too; otherwise it stays. The two cannot hold in one
 step, and every change waits for ``w`` steps measured after it, so noise does not move Delta to and fro.
 Its cost is the policy lag of the carried groups (``oppo/policy_lag_mean``), which Delta bounds.
 
@@ -58,7 +59,7 @@ class OvercommitController:
                 self.delta = max(self.minimum, self.delta - self.dec)
         return self.delta
 
-    def record_generation(self, wait_s: float, done_at_start: int) -> int:
+    def record_generation(self, wait_s: float, done_at_start: int, overdue_wait_s: float = 0.0) -> int:
         return self.delta  # the throughput rule's input
 
     def state_dict(self) -> dict:
@@ -89,12 +90,16 @@ class ThroughputController:
         self.inc, self.dec = inc, dec
         self.minimum, self.maximum = minimum, maximum
         self.tolerance_s = tolerance_s
-        self.verdicts = deque(maxlen=window)  # "waited", "surplus" or "ok", since Delta last changed
+        self.verdicts = deque(maxlen=window)  # "waited", "overdue", "surplus" or "ok", since Delta last changed
 
-    def record_generation(self, wait_s: float, done_at_start: int) -> int:
-        """Record a step's wait for its B-th group and the groups done when it started; return Delta for the next."""
-        if done_at_start < self.batch and wait_s > self.tolerance_s:
+    def record_generation(self, wait_s: float, done_at_start: int, overdue_wait_s: float = 0.0) -> int:
+        """Record a step's wait for its B-th group, its wait past it for the groups it had to train (the lag bound's
+        deadlines), and the groups done when it started; return Delta for the next."""
+        waited = done_at_start < self.batch and wait_s > self.tolerance_s
+        if waited and overdue_wait_s <= self.tolerance_s:
             self.verdicts.append("waited")
+        elif overdue_wait_s > self.tolerance_s and not waited:
+            self.verdicts.append("overdue")
         elif done_at_start >= self.batch + self.dec:
             self.verdicts.append("surplus")
         else:
@@ -104,6 +109,8 @@ class ThroughputController:
         before = self.delta
         if self.verdicts.count("waited") * 2 > len(self.verdicts):
             self.delta = min(self.maximum, self.delta + self.inc)
+        elif self.verdicts.count("overdue") * 2 > len(self.verdicts):
+            self.delta = max(self.minimum, self.delta - self.dec)
         elif self.verdicts.count("surplus") == len(self.verdicts):
             self.delta = max(self.minimum, self.delta - self.dec)
         if self.delta != before:

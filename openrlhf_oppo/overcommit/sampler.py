@@ -94,8 +94,8 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
             bth_done_at = self._wait(batch, generate_kwargs, started, stats)
         # Past the B-th group a step waits only for overdue groups: the price of --oppo.max_defer_steps.
         overdue_wait = time.time() - started - bth_done_at
-        # The throughput rule moves Delta on this step's wait (the reward-slope rule on the reward, later).
-        self.controller.record_generation(bth_done_at, done_at_start)
+        # The throughput rule moves Delta on this step's waits (the reward-slope rule on the reward, later).
+        self.controller.record_generation(bth_done_at, done_at_start, overdue_wait)
         taken = self._take(batch)
         carried = len(self.groups)
         carried_in_flight = sum(g.experiences is None for g in self.groups)
@@ -189,7 +189,8 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
                 bth_done_at = time.time() - started
             # ray.wait lists the ready ones in this order: the groups to take first are collected first.
             running = {g.ref: g for g in self._in_take_order([g for g in self.groups if g.experiences is None])}
-            overdue = any(g.deferrals >= self.max_defer_steps for g in running.values())
+            due = self._due()
+            overdue = any(id(g) in due for g in running.values())
             announced = any(g.announced for g in running.values())
             if not running or (done >= batch and not overdue and not announced):
                 break
@@ -230,12 +231,22 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         return taken
 
     def _in_take_order(self, groups: List[PromptGroup]) -> List[PromptGroup]:
-        """Overdue groups first, then those of the announced next batch, then the longest carried, then in
+        """Due groups first (``_due``), then those of the announced next batch, then the longest carried, then in
         dispatch order (``self.groups``'s, which ``groups`` keeps): an order known before the groups are
         collected (``next_batch_streams``)."""
-        return sorted(
-            groups, key=lambda g: (g.deferrals < self.max_defer_steps, not g.announced, -g.deferrals)
-        )  # stable
+        due = self._due()
+        return sorted(groups, key=lambda g: (id(g) not in due, not g.announced, -g.deferrals))  # stable
+
+    def _due(self) -> set:
+        """The groups this step must train so that none is carried more than ``max_defer_steps`` steps (the lag
+        bound, ``--oppo.max_lag``). A group's deadline is ``max_defer_steps - deferrals`` steps from now, and a step
+        trains B groups: if ``c_k`` groups are due within k steps, this step must train ``max_k(c_k - B k)`` of
+        them, the earliest deadlines first (which keeps every later step feasible too). Only overdue groups
+        (deadline 0) are due while the groups in flight are spread over the steps, as Delta's bound keeps them."""
+        batch, limit = self.args.rollout.batch_size, self.max_defer_steps
+        need = max(sum(limit - g.deferrals <= k for g in self.groups) - batch * k for k in range(limit + 1))
+        by_deadline = sorted(self.groups, key=lambda g: -g.deferrals)  # stable: dispatch order within a deadline
+        return {id(g) for g in by_deadline[: min(max(need, 0), batch)]}
 
     def next_batch_streams(self) -> Optional[List[StreamInfo]]:
         """The streams of the groups the next step will train, if it started now; None while fewer than a batch

@@ -13,9 +13,10 @@ will never ask for (``oppo_discard``).
 
 The trainer's reads of counters, memory and traces (``oppo_stats``, ``oppo_resources``, ``oppo_drain_trace``)
 run in a concurrency group of their own, on a thread of their own. In the actor's one thread they would wait
-behind every prefill call queued before them, and the end of each step waits for them: behind the critic's
-catch-up after its fit, that was up to 0.9 s of a step on GPU. They only read, and what they read is safe to
+behind every prefill call queued before them, and the end of each step waits for them. They only read, and what they read is safe to
 read while a prefill runs (``ChunkScorer.drain_calls``, ``cached_bytes``).
+
+The run's plan (``plan.Plan``) reaches each actor as a constructor argument.
 """
 
 import contextlib
@@ -28,6 +29,7 @@ from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 from openrlhf.trainer.ray.ppo_critic import CriticModelActor
 
+from openrlhf_oppo.plan import OFF, Plan
 from openrlhf_oppo.protocol import Chunk, ResourceReading, ScorerSettings, ScorerStats
 from openrlhf_oppo.streaming.scorer import ChunkScorer, unwrap_model
 from openrlhf_oppo.streaming.zero3 import InferenceCopy, is_partitioned
@@ -53,6 +55,11 @@ class StreamingScorerMixin:
 
     oppo_scorer: ChunkScorer = None
     oppo_copy: InferenceCopy = None  # the weights the scorer runs on, under ZeRO-3
+
+    def __init__(self, *args, plan: Plan = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The run's plan (extension.configure binds it); a group built without one behaves as OPPO's defaults.
+        self.oppo_plan = plan or OFF
 
     def oppo_model(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -173,8 +180,8 @@ class _TrainableScorerMixin(StreamingScorerMixin):
 
     def _oppo_profiler(self):
         """``--oppo.profile_step N``: torch.profiler around this rank's N-th fit."""
-        oppo = self.strategy.args.oppo
-        if oppo.profile_step != self.oppo_fits:
+        oppo = self.oppo_plan
+        if not oppo.profile_step or oppo.profile_step != self.oppo_fits:
             return contextlib.nullcontext()
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         name = f"profile_{self.oppo_trained_role}_rank{rank}_step{self.oppo_fits:05d}.json"
@@ -201,7 +208,7 @@ class _FrozenScorerMixin(StreamingScorerMixin):
         # from all its ranks. A streaming rank scores alone, on the full weights (an InferenceCopy, kept beside the
         # shard). Frozen weights never need gathering again, so a streamed frozen model loads them whole, as
         # upstream does under ZeRO-1/2 (DeepSpeed stage 0 for inference): one copy a rank, no collectives. ---
-        if strategy.stage == 3 and self.oppo_frozen_role in strategy.args.oppo.streamed_roles:
+        if strategy.stage == 3 and self.oppo_frozen_role in self.oppo_plan.streamed_roles:
             strategy.stage = 0  # this actor's own strategy: the other models keep ZeRO-3
         super().init_model_from_pretrained(strategy, pretrain)
 

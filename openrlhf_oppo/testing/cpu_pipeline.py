@@ -417,7 +417,13 @@ class CPUPipeline:
 
     def run_ppo(self, trainer_class):
         """Upstream's driver from the trainer on: build ``trainer_class`` (a Ray actor class) and ``fit``."""
+        from openrlhf_oppo import plan
+        from openrlhf_oppo.trainer import OPPOTrainer
+
         args = self.args
+        kwargs = self.generate_kwargs()
+        if issubclass(trainer_class.__ray_actor_class__, OPPOTrainer):
+            kwargs["plan"] = plan.resolve(args)  # as extension.configure binds it
         trainer = trainer_class.remote(
             args.actor.model_name_or_path,
             self.strategy,
@@ -426,7 +432,7 @@ class CPUPipeline:
             self.groups.get("reward"),
             self.groups.get("reference"),
             self.engines,
-            **self.generate_kwargs(),
+            **kwargs,
         )
         try:
             ray.get(trainer.fit.remote())

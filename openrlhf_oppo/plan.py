@@ -1,0 +1,487 @@
+"""The run's plan: every OPPO setting resolved once, before Ray starts, from the user's flags and the placement.
+
+``resolve(args)`` reads the hierarchized namespace and returns a frozen ``Plan``; it never writes into ``args``.
+What the user gives with ``--oppo.*`` always wins; every ``auto`` is decided here, each with its reason in
+``Plan.choices``. The driver prints ``describe(plan)`` once, and the trainer and every model actor receive the
+plan as a constructor argument (``extension.configure``), so no process derives it again.
+
+The choices follow the placement:
+
+* vLLM on GPUs of its own (``--oppo.colocate_models``, several engines or one): the engines decode through
+  training and the weight sync, so new prompts start after the sync, Delta may reach twice the batch, the policy's
+  old log-probs come from vLLM (temperature 1) and the critic scores the next batch right after its fit.
+* vLLM on the models' GPUs (``--train.colocate_all``): the engines stay awake where the memory plan says they fit
+  beside the models, with the smallest vLLM share that holds the requests in flight, DeepSpeed's states on the GPU
+  where they fit too and else moved while the other model trains; carried requests decode beside training and
+  the next step's prompts start before it. Where nothing fits awake, the user's sleep flags stay.
+
+OpenRLHF flags that only trade speed for memory (``--vllm.enable_sleep``, ``--ds.enable_sleep``,
+``--vllm.gpu_memory_utilization`` under ``--train.colocate_all``) are the plan's to change where the memory plan
+says the faster setting fits (``--oppo.memory_flags as_given`` keeps them); ``apply_upstream_changes`` is the one
+place that writes them, and the start-up line says what changed.
+"""
+
+import copy
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+from openrlhf_oppo import config
+from openrlhf_oppo.config import OPPOConfigError
+
+# A group of the split placement is carried about Delta / B steps: twice the batch in flight beyond it keeps the
+# engines busy through training and the sync, and no measured Delta beyond it was faster (docs/results).
+MAX_DELTA_BATCHES = 2
+# vLLM's share under --train.colocate_all awake is never set below this: the engine's own buffers and CUDA graphs.
+MIN_VLLM_SHARE = 0.10
+# The memory plan keeps this share of each GPU free for what it does not model (fragmentation, NCCL, allocator).
+HEADROOM = 0.08
+CACHE_BUDGET_GB = 4.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    setting: str
+    value: object
+    reason: str
+
+
+@dataclass(frozen=True)
+class Change:
+    """An OpenRLHF flag the plan changed (speed for memory)."""
+
+    flag: str
+    given: object
+    planned: object
+
+
+@dataclass(frozen=True)
+class Overcommit:
+    """Delta's bounds and its controller (``overcommit.controller``)."""
+
+    initial: int = 0
+    auto: bool = False
+    rule: str = "throughput"
+    window: int = 3
+    inc: int = 1
+    dec: int = 1
+    minimum: int = 0
+    maximum: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    enabled: bool = False
+    max_lag: int = 0
+    streamed_roles: Tuple[str, ...] = ()
+    overcommit: Overcommit = Overcommit()
+    max_defer_steps: int = 0
+    top_up: str = "step_start"
+    colocated_decode: str = "pause"
+    carry_kv: str = "recompute"
+    policy_logprobs: str = "policy"
+    critic_catch_up: str = "next_step"
+    state_moves: str = "serial"
+    frozen_scorers_on: str = "models"
+    colocate_models: bool = False
+    weight_sync: str = "staged"
+    chunk_size: Optional[int] = None  # None: chosen each step (streaming.chunking)
+    stream_interval: int = 1
+    cache_budget_gb: float = CACHE_BUDGET_GB
+    prefill_calls_in_flight: int = 2
+    flush_interval_ms: float = 5.0
+    max_prefill_tokens: int = 16384
+    max_prefill_cached_tokens: int = 65536
+    call_timeout_s: float = 900.0
+    trace_dir: Optional[str] = None
+    profile_step: int = 0
+    # The placement as the run has it, after apply_upstream_changes.
+    colocate_all: bool = False
+    vllm_sleeps: bool = False
+    sync_bucket_mb: int = config.SYNC_BUCKET_MB
+    choices: Tuple[Choice, ...] = ()
+    upstream_changes: Tuple[Change, ...] = ()
+    memory: Optional[object] = field(default=None, compare=False)  # memory.Estimate, where the shapes are known
+
+    @property
+    def inter_step(self) -> bool:
+        return self.overcommit.auto or self.overcommit.initial > 0
+
+    @property
+    def engines_decode_through_sync(self) -> bool:
+        """vLLM on GPUs of its own and awake: carried requests decode while the weights are sent."""
+        return not self.colocate_all and not self.vllm_sleeps
+
+    @property
+    def staged_sync(self) -> bool:
+        return self.sync_bucket_mb > 0 and self.inter_step and self.engines_decode_through_sync and (
+            self.weight_sync == "staged"
+        )
+
+    @property
+    def pauses_after_generation(self) -> bool:
+        """Awake engines on the models' GPUs pause their carried requests while the step makes its experiences."""
+        return self.colocate_all and not self.vllm_sleeps and self.colocated_decode != "continue"
+
+    @property
+    def resumes_for_training(self) -> bool:
+        return self.pauses_after_generation and self.colocated_decode == "during_training"
+
+    @property
+    def critic_catches_up_after_fit(self) -> bool:
+        return self.critic_catch_up in ("after_fit", "next_batch")
+
+
+OFF = Plan()
+
+_resolved = {}  # id(args) -> (args, plan): the wrapper and upstream's extension hook both resolve
+
+
+def resolve(args) -> Plan:
+    """The plan for ``args`` (hierarchized); raises ``OPPOConfigError`` for a run OPPO cannot make."""
+    cached = _resolved.get(id(args))
+    if cached is not None and cached[0] is args:
+        return cached[1]
+    plan = _resolve(args)
+    _resolved[id(args)] = (args, plan)
+    return plan
+
+
+def _resolve(args) -> Plan:
+    work = copy.deepcopy(args)  # the checks and choices run on a copy: the user's namespace stays as parsed
+    oppo = work.oppo
+    given = config.given_options(oppo)
+    config.check_given(oppo, given)
+    config.fill_defaults(oppo)
+    config.check_placement(work)
+    if not oppo.enable:
+        return Plan(colocate_models=oppo.colocate_models, colocate_all=work.train.colocate_all)
+    if oppo.cache_budget_gb is None:
+        oppo.cache_budget_gb = CACHE_BUDGET_GB
+    choices, changes = [], []
+    total = gpu_gib(oppo)
+    if work.train.colocate_all and oppo.memory_flags == "plan" and total is not None:
+        _plan_colocated_memory(work, total, choices, changes)
+    config.resolve_roles(work)
+    _resolve_lag(work, given, choices)
+    _resolve_mechanisms(work, given, choices)
+    config.check_oppo(work, given)
+    config.check_streaming_plan(work, given)
+    config.check_overcommit_plan(work, given)
+    config.resolve_stream_interval(oppo)
+    estimate = _fit_cache_budget(work, given, total, choices)
+    return _plan_from(work, choices, changes, estimate)
+
+
+def _fit_cache_budget(work, given, total, choices):
+    """The run's estimate; where it does not fit, the scorers' cache budget halves (down to half a GiB) unless the
+    user gave it; a run that still does not fit is refused here, before anything starts."""
+    oppo = work.oppo
+    estimate = _estimate(work, total)
+    while estimate is not None and not estimate.fits and oppo.streamed_roles and "cache_budget_gb" not in given:
+        if oppo.cache_budget_gb <= 0.5:
+            break
+        oppo.cache_budget_gb /= 2
+        estimate = _estimate(work, total)
+        choices.append(Choice("cache_budget_gb", oppo.cache_budget_gb, "the scorers' caches fit beside the rest"))
+    if estimate is not None and not estimate.fits:
+        raise OPPOConfigError(f"this run does not fit the GPU's {total:.0f} GiB: {estimate.line()}")
+    return estimate
+
+
+# -- the lag bound -------------------------------------------------------------------------------------------
+
+
+def _resolve_lag(work, given, choices) -> None:
+    """Delta, the deferral limit and the top-up from ``--oppo.max_lag``.
+
+    A group dispatched after a step's weight sync and carried d steps trains d versions behind; one dispatched
+    before the sync (``top_up step_end``) one more. So the deferral limit D is the lag bound, or one less with the
+    top-up at the step's end. Delta up to (D - 1) batches keeps every group within D (the sampler takes the
+    groups by deadline); at most ``MAX_DELTA_BATCHES`` batches."""
+    oppo, batch = work.oppo, work.rollout.batch_size
+    lag = oppo.max_lag
+    if lag == 0 or oppo.overcommit == 0:
+        if "overcommit" in given and oppo.overcommit != 0 and lag == 0:
+            raise OPPOConfigError(
+                f"--oppo.overcommit {oppo.overcommit} carries groups into later steps, but --oppo.max_lag 0 trains "
+                "every sample on the weights that generated it: drop one of them."
+            )
+        oppo.overcommit, oppo.max_defer_steps, oppo.inter_step = 0, 0, False
+        for name in ("top_up", "colocated_decode"):
+            if getattr(oppo, name) == "auto":
+                setattr(oppo, name, "step_start" if name == "top_up" else "pause")
+        for name in ("overcommit_max", "overcommit_inc", "overcommit_dec"):
+            if getattr(oppo, name) == "auto":
+                setattr(oppo, name, 0 if name == "overcommit_max" else 1)
+        return
+    oppo.inter_step = True
+    awake_colocated = work.train.colocate_all and not work.vllm.enable_sleep
+    if oppo.colocated_decode == "auto":
+        oppo.colocated_decode = "during_training" if awake_colocated else "pause"
+        if awake_colocated:
+            choices.append(Choice("colocated_decode", "during_training", "awake engines decode beside training"))
+    if oppo.top_up == "auto":
+        decodes_through_training = not work.train.colocate_all or oppo.colocated_decode != "pause"
+        early = work.train.colocate_all and decodes_through_training and lag >= 2
+        oppo.top_up = "step_end" if early else "step_start"
+        if early:
+            choices.append(Choice("top_up", "step_end", "new prompts decode beside training"))
+    extra = 1 if oppo.top_up == "step_end" else 0
+    if oppo.max_defer_steps == "auto":
+        if lag - extra < 1:
+            raise OPPOConfigError(
+                f"--oppo.top_up step_end starts prompts a weight version early, so --oppo.max_lag {lag} leaves them "
+                "no step to be carried: use --oppo.max_lag 2 or more, or --oppo.top_up step_start."
+            )
+        oppo.max_defer_steps = lag - extra
+    elif oppo.max_defer_steps + extra > lag:
+        raise OPPOConfigError(
+            f"--oppo.max_defer_steps {oppo.max_defer_steps} lets a group train {oppo.max_defer_steps + extra} weight "
+            f"versions behind, above --oppo.max_lag {lag}: raise --oppo.max_lag or drop --oppo.max_defer_steps."
+        )
+    defer = oppo.max_defer_steps
+    prompts_left = max(work.data.max_samples - batch, 0) if work.data.max_samples else math.inf
+    if oppo.overcommit_max == "auto":
+        oppo.overcommit_max = int(min(max(1, min(MAX_DELTA_BATCHES, defer - 1)) * batch, prompts_left))
+        oppo.overcommit_max = max(oppo.overcommit_max, oppo.overcommit_min)
+    if oppo.overcommit_inc == "auto":
+        oppo.overcommit_inc = max(1, batch // 4)
+    if oppo.overcommit_dec == "auto":
+        oppo.overcommit_dec = max(1, batch // 8)
+    if oppo.overcommit == "auto":
+        oppo.overcommit_initial = min(oppo.overcommit_max, max(oppo.overcommit_min, batch))
+        choices.append(
+            Choice(
+                "overcommit",
+                f"{oppo.overcommit_initial}..{oppo.overcommit_max}",
+                f"max lag {lag}: groups carried up to {defer} steps",
+            )
+        )
+    else:
+        oppo.overcommit_initial = oppo.overcommit
+    if oppo.overcommit_min > oppo.overcommit_max:
+        raise OPPOConfigError(
+            f"--oppo.overcommit_min ({oppo.overcommit_min}) is above --oppo.overcommit_max ({oppo.overcommit_max})."
+        )
+
+
+# -- the mechanisms --------------------------------------------------------------------------------------------
+
+
+def _resolve_mechanisms(work, given, choices) -> None:
+    oppo = work.oppo
+    policy_streams = "policy" in oppo.streamed_roles
+    if oppo.policy_logprobs == "auto":
+        engines_can = work.rollout.temperature == 1.0 and not work.vllm.enable_sleep
+        oppo.policy_logprobs = "vllm" if policy_streams and oppo.inter_step and engines_can else "policy"
+        if oppo.policy_logprobs == "vllm":
+            choices.append(Choice("policy_logprobs", "vllm", "the engines score them after the sync, beside decoding"))
+    if oppo.state_moves == "auto":
+        overlap = work.ds.enable_sleep and work.algo.advantage.estimator == "gae"
+        oppo.state_moves = "overlap" if overlap else "serial"
+        if overlap:
+            choices.append(Choice("state_moves", "overlap", "one model's states move while the other trains"))
+    if oppo.critic_catch_up == "auto":
+        alone = config.critic_catches_up_alone(work)
+        oppo.critic_catch_up = "next_batch" if alone else "next_step"
+        if alone:
+            choices.append(Choice("critic_catch_up", "next_batch", "the only prefill left after the sync"))
+    if oppo.frozen_scorers_on == "generation" and "frozen_scorers_on" not in given:
+        choices.append(Choice("frozen_scorers_on", "generation", "the frozen scorers prefill beside decoding"))
+
+
+# -- memory ------------------------------------------------------------------------------------------------------
+
+
+def gpu_gib(oppo) -> Optional[float]:
+    """One GPU's memory: ``--oppo.gpu_memory_gb``, else NVML's reading of the first visible GPU (without a CUDA
+    context: the driver must hold no GPU memory), else None (no GPU here: the plan keeps the user's flags)."""
+    if oppo.gpu_memory_gb:
+        return oppo.gpu_memory_gb
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible.isdigit() else 0)
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30
+    except Exception:  # noqa: BLE001 - no NVML, no GPU: nothing to plan against
+        return None
+
+
+def _layout(work):
+    """What the memory plan needs of ``work``'s choices (its roles resolved on a copy where they are not yet)."""
+    from openrlhf_oppo import memory
+
+    oppo = work.oppo
+    if not hasattr(oppo, "streamed_roles"):
+        probe = copy.deepcopy(work)
+        config.resolve_roles(probe)
+        oppo = probe.oppo
+    return memory.Layout(
+        vllm_awake=not work.vllm.enable_sleep,
+        ds_sleep=work.ds.enable_sleep,
+        state_moves="overlap" if work.ds.enable_sleep and oppo.state_moves in ("auto", "overlap") else "serial",
+        vllm_share=work.vllm.gpu_memory_utilization,
+        streamed_roles=tuple(oppo.streamed_roles),
+        cache_budget_gb=oppo.cache_budget_gb,
+        frozen_beside_vllm=oppo.frozen_scorers_on == "generation",
+        colocated_decode=work.train.colocate_all and not work.vllm.enable_sleep,
+    )
+
+
+def _estimate(work, total_gib):
+    """The memory plan's estimate of ``work``'s peak per GPU, or None where the models' shapes are unknown."""
+    if total_gib is None:
+        return None
+    from openrlhf_oppo import memory
+
+    try:
+        return memory.estimate(work, _layout(work), total_gib)
+    except memory.UnknownShape:
+        return None
+
+
+def _plan_colocated_memory(work, total, choices, changes) -> None:
+    """Under ``--train.colocate_all``: vLLM awake beside the models where it fits, with the DeepSpeed states on the
+    GPU where they fit too; where nothing faster fits, the user's flags stay."""
+    user = (work.vllm.enable_sleep, work.ds.enable_sleep, work.vllm.gpu_memory_utilization)
+    share = _vllm_share_needed(work, total)
+    candidates = (
+        (False, "vLLM awake, DeepSpeed states on the GPU"),
+        (True, "vLLM awake, DeepSpeed states moved while the other model trains"),
+    )
+    for ds_sleep, what in candidates:
+        probe = copy.deepcopy(work)
+        probe.vllm.enable_sleep, probe.ds.enable_sleep, probe.vllm.gpu_memory_utilization = False, ds_sleep, share
+        estimate = _estimate(probe, total)
+        if estimate is None:
+            return  # the shapes are unknown: the user's flags stay
+        if estimate.worst.peak_gib <= total * (1 - HEADROOM):
+            _set(work, changes, "--vllm.enable_sleep", user[0], False)
+            _set(work, changes, "--ds.enable_sleep", user[1], ds_sleep)
+            _set(work, changes, "--vllm.gpu_memory_utilization", user[2], share)
+            choices.append(Choice("placement", what, f"{estimate.worst.peak_gib:.0f} of {total:.0f} GiB"))
+            return
+    choices.append(Choice("placement", "as given", "vLLM awake does not fit beside the models"))
+
+
+def _set(work, changes, flag, given, planned) -> None:
+    if given != planned:
+        group, name = flag[2:].split(".", 1)
+        setattr(getattr(work, group), name, planned)
+        changes.append(Change(flag, given, planned))
+
+
+def _vllm_share_needed(work, total_gib: float) -> float:
+    """The smallest vLLM share that holds the policy's weights and the KV cache of every request in flight at
+    the longest length (B + 2B groups), never above what the user gave."""
+    from openrlhf_oppo import memory
+
+    shape = memory.model_shape(work.actor.model_name_or_path)
+    given = work.vllm.gpu_memory_utilization
+    if shape is None:
+        return given
+    in_flight = (1 + MAX_DELTA_BATCHES) * work.rollout.batch_size * work.rollout.n_samples_per_prompt
+    longest = work.data.max_len or (work.data.prompt_max_len + (work.rollout.max_new_tokens or 0))
+    need = shape.weight_bytes + in_flight * longest * shape.kv_bytes_per_token + memory.VLLM_OVERHEAD_BYTES
+    share = math.ceil(need / 2**30 / total_gib * 100) / 100
+    return min(given, max(MIN_VLLM_SHARE, share))
+
+
+# -- the plan object and its line ------------------------------------------------------------------------------
+
+
+def _plan_from(work, choices, changes, estimate) -> Plan:
+    oppo = work.oppo
+    return Plan(
+        enabled=True,
+        max_lag=oppo.max_lag if oppo.inter_step else 0,
+        streamed_roles=tuple(oppo.streamed_roles),
+        overcommit=Overcommit(
+            initial=oppo.overcommit_initial if oppo.inter_step else 0,
+            auto=oppo.overcommit == "auto",
+            rule=oppo.overcommit_rule,
+            window=oppo.overcommit_window,
+            inc=oppo.overcommit_inc,
+            dec=oppo.overcommit_dec,
+            minimum=oppo.overcommit_min,
+            maximum=oppo.overcommit_max if oppo.overcommit == "auto" else oppo.overcommit,
+        ),
+        max_defer_steps=oppo.max_defer_steps,
+        top_up=oppo.top_up,
+        colocated_decode=oppo.colocated_decode,
+        carry_kv=oppo.carry_kv,
+        policy_logprobs=oppo.policy_logprobs,
+        critic_catch_up=oppo.critic_catch_up,
+        state_moves=oppo.state_moves,
+        frozen_scorers_on=oppo.frozen_scorers_on,
+        colocate_models=oppo.colocate_models,
+        weight_sync=oppo.weight_sync,
+        chunk_size=None if oppo.chunk_size == "auto" else oppo.chunk_size,
+        stream_interval=oppo.stream_interval,
+        cache_budget_gb=oppo.cache_budget_gb,
+        prefill_calls_in_flight=oppo.prefill_calls_in_flight,
+        flush_interval_ms=oppo.flush_interval_ms,
+        max_prefill_tokens=oppo.max_prefill_tokens,
+        max_prefill_cached_tokens=oppo.max_prefill_cached_tokens,
+        call_timeout_s=oppo.call_timeout_s,
+        trace_dir=oppo.trace_dir,
+        profile_step=oppo.profile_step,
+        colocate_all=work.train.colocate_all,
+        vllm_sleeps=work.vllm.enable_sleep,
+        sync_bucket_mb=getattr(work.vllm, "sync_bucket_mb", config.SYNC_BUCKET_MB),
+        choices=tuple(choices),
+        upstream_changes=tuple(changes),
+        memory=estimate,
+    )
+
+
+def apply_upstream_changes(args, plan: Plan) -> None:
+    """The one place that writes the plan into OpenRLHF's own flags: the speed-for-memory ones it changed."""
+    for change in plan.upstream_changes:
+        group, name = change.flag[2:].split(".", 1)
+        setattr(getattr(args, group), name, change.planned)
+
+
+def describe(plan: Plan) -> str:
+    """One line for the log: what OPPO does in this run, and why where the plan chose."""
+    if not plan.enabled:
+        return "OPPO off" + (" (models colocated, vLLM apart)" if plan.colocate_models else "")
+    parts = [
+        f"intra-step streaming to {', '.join(plan.streamed_roles)}" if plan.streamed_roles else "no streaming"
+    ]
+    if plan.colocate_models:
+        parts.append(f"reward and reference on the {'engines' if plan.frozen_scorers_on == 'generation' else 'models'}' GPUs")
+    if plan.inter_step:
+        delta = plan.overcommit
+        span = f"{delta.initial}..{delta.maximum}" if delta.auto else str(delta.initial)
+        parts.append(
+            f"max lag {plan.max_lag}: Delta {span}, carried up to {plan.max_defer_steps} steps, carry_kv "
+            f"{plan.carry_kv}, top-up at {plan.top_up.replace('_', ' ')}"
+            + {
+                "after_fit": ", the critic's catch-up after its fit",
+                "next_batch": ", the critic's catch-up of the next batch after its fit",
+            }.get(plan.critic_catch_up, "")
+            + (", decoding beside training" if plan.colocate_all and plan.colocated_decode != "pause" else "")
+            + (" (not beside making experiences)" if plan.resumes_for_training else "")
+        )
+    else:
+        parts.append("no inter-step overlap")
+    if plan.policy_logprobs == "vllm" and "policy" in plan.streamed_roles:
+        parts.append("the policy's log-probs from vLLM")
+    if plan.state_moves == "overlap":
+        parts.append("state moves overlapped")
+    if plan.upstream_changes:
+        parts.append(
+            "changed " + ", ".join(f"{c.flag} {_shown(c.given)} -> {_shown(c.planned)}" for c in plan.upstream_changes)
+        )
+    if plan.memory is not None:
+        parts.append(f"memory plan: {plan.memory.line()}")
+    return "OPPO on: " + "; ".join(parts)
+
+
+def _shown(value) -> str:
+    return {True: "on", False: "off"}.get(value, f"{value:g}" if isinstance(value, float) else str(value))
