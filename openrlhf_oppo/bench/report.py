@@ -628,8 +628,8 @@ def raw_files(folder: str) -> list:
 
 def pack(folder: str) -> None:
     """Store a run folder as docs/results keeps it: each raw results file gzipped (the same JSON, far smaller: the
-    harness's NVML and CPU samples are most of it), and no ``table.md`` or plots, which the
-    run's README shows or ``--out`` redraws from the raw results."""
+    harness's NVML and CPU samples are most of it), and no ``table.md`` or plots, which the run's README shows
+    or ``--out`` redraws from the raw results."""
     for path in raw_files(folder):
         if not path.endswith(".gz"):
             with open(path, "rb") as raw, gzip.GzipFile(path + ".gz", "wb", compresslevel=9, mtime=0) as packed:
@@ -757,11 +757,11 @@ def _newest_first(runs: list) -> list:
     return runs
 
 
-def _run_cells(name: str, results: dict) -> list:
-    """The cells that name a run: its folder (with the anchor the page's headings once gave it), then the others
-    the caller adds. The anchor keeps links into the page from before it was a table alive."""
+def _run_cell(name: str) -> str:
+    """A link to the run's folder, with the anchor its heading on the page once had: links from before the page
+    was a table still lead to its row."""
     anchor = re.sub(r"[^\w\- ]", "", name.lower()).replace(" ", "-")
-    return [f'<a id="{anchor}"></a>[{name}](results/{name}/)']
+    return f'<a id="{anchor}"></a>[{name}](results/{name}/)'
 
 
 def _card(results: dict) -> str:
@@ -774,7 +774,8 @@ def _speed_row(name: str, results: dict) -> str:
     line of the cell each."""
     settings, workload, systems = results["settings"], results["workload"], results["systems"]
     base = _baselines(systems)
-    cells = _run_cells(name, results) + [
+    cells = [
+        _run_cell(name),
         f"{workload['distribution']}, mean {workload['mean_length']:.0f}, max {workload['max_length']}",
         "patched" if _patched(results) else "unpatched",
         _card(results),
@@ -839,7 +840,8 @@ def _learning_row(name: str, results: dict) -> str:
         starts.append(shown.format(statistics.mean(start)))
         ends.append(shown.format(statistics.mean(end)))
     gpus = settings["gpus"]
-    cells = _run_cells(name, results) + [
+    cells = [
+        _run_cell(name),
         task,
         f"{settings['placement']}, {gpus} GPU{'s' if gpus > 1 else ''}",
         _card(results),
