@@ -141,14 +141,14 @@ def test_parity_reward_reads_token_ids_back_from_the_benchmark_tokenizer(tmp_pat
 
 
 def test_generation_gap_behind_the_tokenizer_caveat_is_what_the_results_say():
-    """docs/RESULTS.md sizes upstream's per-call tokenizer by this script's output on the committed JSON."""
+    """docs/results sizes upstream's per-call tokenizer by this script's output on the committed raw results."""
     results = SCRIPTS.parents[1] / "docs" / "results"
     for run, mean in (
         ("split-2gpu-1.5b-lognormal-unpatched", "3.93"),
         ("split-2gpu-1.5b-lognormal-unpatched-intra-vs-inter", "4.86"),
     ):
         out = subprocess.run(
-            [sys.executable, str(SCRIPTS / "generation_gap.py"), str(results / run / "results.json")],
+            [sys.executable, str(SCRIPTS / "generation_gap.py"), str(results / run / "results.json.gz")],
             capture_output=True,
             text=True,
             check=True,

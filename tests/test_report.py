@@ -1,6 +1,7 @@
-"""docs/results and docs/RESULTS.md are what bench.report makes of the committed raw JSON: each run's
-table.md, the summary table and each run's section (command, raw files, table)."""
+"""docs/results and docs/RESULTS.md are what bench.report makes of the committed raw results: each run's README
+ends with its command, files and tables, and the results page is the summary of every run folder."""
 
+import gzip
 import json
 import re
 import shutil
@@ -14,49 +15,104 @@ from openrlhf_oppo.bench import report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-RUNS = sorted(p.parent for p in RESULTS.glob("*/table.md") if list(p.parent.glob("results*.json")))
+RUNS = sorted(p for p in RESULTS.iterdir() if p.is_dir() and report.raw_files(str(p)))
 FOLDERS = sorted(str(p) + "/" for p in RESULTS.iterdir() if p.is_dir())
 
 
 @pytest.mark.parametrize("folder", RUNS, ids=[p.name for p in RUNS])
-def test_committed_table_is_made_from_the_raw_results(folder, tmp_path):
+def test_each_runs_readme_ends_with_what_its_raw_results_give(folder, tmp_path):
     results = report.run_results(str(folder))
     assert results["machine"]["gpus"] and results["command"].startswith("python -m openrlhf_oppo.bench")
-    assert results["commit"], f"{folder.name}: no commit in results.json and no commit.txt"
-    assert report.table(results) == (folder / "table.md").read_text()
+    assert results["commit"], f"{folder.name}: no commit in the raw results and no commit.txt"
+    readme = (folder / "README.md").read_text()
+    assert readme.startswith(f"# {folder.name}\n") and readme.endswith(report.section(str(folder)))
     report.write(results, str(tmp_path))
+    assert (tmp_path / "table.md").read_text() == report.table(results)
     if any(r.get("summary") for r in results["systems"].values()):
         assert (tmp_path / "breakdown.png").stat().st_size > 0 and (tmp_path / "timeline.png").stat().st_size > 0
 
 
-def test_results_page_opens_with_the_summary_made_from_the_raw_json(tmp_path):
-    """``report --summary docs/results/*/ --into docs/RESULTS.md`` leaves the committed page as it is."""
-    page = tmp_path / "RESULTS.md"
-    shutil.copy(ROOT / "docs" / "RESULTS.md", page)
-    subprocess.run(
-        [sys.executable, "-m", "openrlhf_oppo.bench.report", "--summary", *FOLDERS, "--into", str(page)],
+def test_results_page_is_the_summary_of_the_run_folders():
+    """``report --summary docs/results/*/ > docs/RESULTS.md`` gives the committed page, short enough to read."""
+    made = subprocess.run(
+        [sys.executable, "-m", "openrlhf_oppo.bench.report", "--summary", *FOLDERS],
         check=True,
         capture_output=True,
+        text=True,
         cwd=ROOT,
-    )
-    assert page.read_text() == (ROOT / "docs" / "RESULTS.md").read_text()
-    text = page.read_text()
-    assert text.index(report.SUMMARY_START) < text.index("## The runs")
-    summary = report.summary(FOLDERS)
-    # Every speed run is in it; the patched baseline leads.
-    assert summary.splitlines()[2].split("|")[5].strip() == "patched"
-    for folder in RUNS:
-        if not report.is_convergence(report.run_results(str(folder))):
-            assert f"[{folder.name}](results/{folder.name}/)" in summary
+    ).stdout
+    page = (ROOT / "docs" / "RESULTS.md").read_text()
+    assert made == page
+    assert len(page.splitlines()) <= 150
+    # Every folder is linked, each run once; a table per placement, GPU count and shape; patched runs lead.
+    for folder in FOLDERS:
+        name = Path(folder).name
+        assert page.count(f"[{name}](results/{name}/)") == 1, name
+    headings = [line for line in page.splitlines() if line.startswith("## ")]
+    assert headings[:4] == [
+        "## Colocated, 1 GPU, qwen2.5-1.5b",
+        "## Split, 2 GPUs, qwen2.5-1.5b",
+        "## Split, 4 GPUs, qwen2.5-3b",
+        "## Split, 4 GPUs, qwen2.5-7b",
+    ]
+    first_row = page.split(report.SPEED_HEADER)[1].splitlines()[2]
+    assert first_row.split(" | ")[2] == "patched"
 
 
-@pytest.mark.parametrize("folder", RUNS, ids=[p.name for p in RUNS])
-def test_every_run_has_its_section(folder):
-    text = (ROOT / "docs" / "RESULTS.md").read_text()
-    heading = f"\n### {folder.name}\n"
-    assert heading in text
-    own = text.split(heading)[1].split("\n### ")[0]
-    assert report.section(str(folder)).rstrip("\n") in own
+def test_every_folder_has_a_readme_and_every_link_resolves():
+    """Each folder says what it holds; the links of the results page, the runs' READMEs and the docs lead to
+    files that are there (the plots are not kept: ``report --out`` redraws them)."""
+    assert all((Path(folder) / "README.md").exists() for folder in FOLDERS)
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(RESULTS.glob("**/README.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path = target.split("#")[0]
+            if path and not re.match(r"\w+://", path) and not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, "\n".join(broken)
+
+
+def test_committed_results_stay_small():
+    """The raw results are kept packed (``report --pack``): docs/results stays a download of a few megabytes."""
+    total = sum(path.stat().st_size for path in RESULTS.glob("**/*") if path.is_file())
+    assert total <= 10 * 2**20
+    assert not list(RESULTS.glob("*/results*.json")) and not list(RESULTS.glob("*/table.md"))
+    assert not [path for path in RESULTS.glob("*/*.png") if path.name in report.PLOTS]
+
+
+def test_pack_keeps_the_raw_results_and_drops_what_report_redraws(tmp_path):
+    """``--pack`` gzips the JSON the benchmark wrote (a plain results.json reads the same), and leaves out
+    table.md and the plots; a results.json written after packing is the one read."""
+    source, folder = RESULTS / "split-2gpu-1.5b-lognormal-patched-top-up-at-step-end", tmp_path / "a-run"
+    shutil.copytree(source, folder)
+    packed = report.run_results(str(folder))
+    (folder / "results.json.gz").unlink()
+    (folder / "results.json").write_text(json.dumps(report.load(str(source / "results.json.gz"))))
+    (folder / "table.md").write_text("old table\n")
+    (folder / "timeline.png").write_bytes(b"png")
+    assert report.raw_files(str(folder)) == [str(folder / "results.json")]
+    assert report.run_results(str(folder)) == packed
+    subprocess.run([sys.executable, "-m", "openrlhf_oppo.bench.report", "--pack", str(folder)], check=True, cwd=ROOT)
+    assert sorted(p.name for p in folder.glob("results*")) == ["results.json.gz"]
+    assert not (folder / "table.md").exists() and not (folder / "timeline.png").exists()
+    assert report.run_results(str(folder)) == packed
+    with gzip.open(folder / "results.json.gz", "rt") as f:
+        assert json.load(f) == report.load(str(source / "results.json.gz"))
+    newer = dict(packed, date="later")
+    (folder / "results.json").write_text(json.dumps(newer))
+    assert report.run_results(str(folder))["date"] == "later"
+
+
+def test_gpu_memory_peaks_are_each_gpus_most_over_the_systems_samples():
+    result = {"gpu_samples": [[0.0, [10, 90], [3.5, 70.25]], [0.1, [20, 80], [5.0, 60.0]], [0.2, [0, 0], [4.0, 71.0]]]}
+    assert report.gpu_memory_peaks(result) == [5.0, 71.0]
+    assert report.gpu_memory_peaks({"gpu_samples": []}) == [] and report.gpu_memory_peaks({}) == []
+    run = report.run_results(str(RESULTS / "split-2gpu-1.5b-lognormal-patched-top-up-at-step-end"))
+    for name, result in run["systems"].items():
+        peaks = report.gpu_memory_peaks(result)
+        assert len(peaks) == 2 and all(0 < peak <= 141 for peak in peaks), name  # two H200s, GiB
+        assert peaks == [max(sample[2][gpu] for sample in result["gpu_samples"]) for gpu in range(2)]
 
 
 def test_summary_ratios_and_failures(tmp_path):
@@ -67,20 +123,20 @@ def test_summary_ratios_and_failures(tmp_path):
     cut_short = json.loads(json.dumps(run["systems"]["oppo-both"]))
     cut_short["summary"]["steps"], cut_short["returncode"] = run["settings"]["steps"] - 3, 1
     run["systems"]["oppo-inter"] = cut_short
-    del run["commit"]  # taken from commit.txt where results.json has none
+    del run["commit"]  # taken from commit.txt where the raw results have none
     folder = tmp_path / "a-run"
     folder.mkdir()
-    (folder / "results.json").write_text(json.dumps(run))
+    (folder / "results.json").write_text(json.dumps(run))  # as the benchmark writes it, not packed
     (folder / "commit.txt").write_text("abc1234\n")
-    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in report.summary([str(folder)]).splitlines()[2:]]
-    rows = {row[7]: row[8:13] for row in cells}
-    assert rows["upstream-sync"] == ["16.99", "1.00x", "0.59x", "1.00x", "0.59x"]
-    assert rows["oppo-both"] == ["7.32", "2.32x", "1.38x", "2.28x", "1.35x"]
-    assert rows["oppo-intra"] == ["failed (exit 1)", "-", "-", "-", "-"]
-    assert rows["oppo-inter"] == ["failed (exit 1, 2 of 5 steps)", "-", "-", "-", "-"]
+    row = next(line for line in report.summary([str(folder)]).splitlines() if "[a-run](results/a-run/)" in line)
+    cells = [cell.split("<br>") for cell in row[2:-2].split(" | ")]
+    assert cells[4] == ["abc1234"] and cells[6:8] == [["16.99"], ["10.08"]]
+    assert cells[8] == ["oppo-both", "oppo-intra", "oppo-inter"]
+    assert cells[9] == ["7.32", "failed (exit 1)", "failed (exit 1, 2 of 5 steps)"]
+    assert [column[0] for column in cells[10:]] == ["2.32x", "1.38x", "2.28x", "1.35x"]
+    assert [column[1:] for column in cells[10:]] == [["-", "-"]] * 4
     report.write(report.run_results(str(folder)), str(tmp_path / "tables"))
     assert "| oppo-inter | failed (exit 1, 2 of 5 steps) |" in (tmp_path / "tables" / "table.md").read_text()
-    assert "abc1234" in report.summary([str(folder)])
 
 
 def test_tokens_trained_are_the_responses_of_the_measured_steps():
@@ -290,8 +346,8 @@ def test_committed_raw_results_give_no_machine_folders():
     checkout of this repository and nothing under /tmp, where every machine keeps different things."""
     into_checkout = re.compile(r"(?<![\w$.])/[\w./+-]*/(openrlhf_oppo|examples|tests)/")
     hits = []
-    for path in sorted(RESULTS.glob("**/*.json")):
-        text = path.read_text()
+    for path in sorted([*RESULTS.glob("**/*.json"), *RESULTS.glob("**/*.json.gz")]):
+        text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
         hits += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in into_checkout.finditer(text)]
         hits += [f"{path.relative_to(ROOT)}: /tmp/" for _ in re.finditer(r'"/tmp/', text)]
     assert not hits, "\n".join(hits[:20])

@@ -2,24 +2,27 @@
 
 With ``--bench.seed_prompt_order`` upstream-sync and a system without inter-step overlap (oppo-intra)
 decode the same prompts in the same step; this checks that they did (equal mean response length per
-step) and prints the difference of their ``timing/generation``. docs/RESULTS.md uses it to size what
+step) and prints the difference of their ``timing/generation``. docs/results uses it to size what
 upstream's per-call tokenizer costs (OPPO's samples generator sends it once):
 
-    python examples/scripts/generation_gap.py docs/results/split-2gpu-1.5b-lognormal-unpatched/results.json
+    python examples/scripts/generation_gap.py docs/results/split-2gpu-1.5b-lognormal-unpatched/results.json.gz
+
+It reads a results file as the benchmark writes it (``results.json``) or as docs/results keeps it, gzipped.
 """
 
 import argparse
+import gzip
 import json
 import statistics
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results")
+    parser.add_argument("results", help="results.json or results.json.gz")
     parser.add_argument("--slower", default="upstream-sync")
     parser.add_argument("--faster", default="oppo-intra")
     args = parser.parse_args()
-    with open(args.results) as f:
+    with (gzip.open if args.results.endswith(".gz") else open)(args.results, "rt") as f:
         results = json.load(f)
     warmup, measured = results["settings"]["warmup"], results["settings"]["steps"]
     slower, faster = (results["systems"][name]["steps"] for name in (args.slower, args.faster))

@@ -1,4 +1,5 @@
-"""The learning benchmark's table and plots, from its ``results.json`` (``learning.py``).
+"""The learning benchmark's table and plots, from its results: ``results.json`` as ``learning.py`` writes it, or
+gzipped as docs/results keeps it (``report.run_results`` reads either).
 
 Accuracy is the share of right answers among a step's sampled responses (``accuracy``, which the task's reward
 logs; in runs from before it did, the mean reward ``rollout/reward_mean``, which was 1 for a right answer and 0

@@ -1,13 +1,17 @@
 """Tables and plots from ``results.json`` (written by ``python -m openrlhf_oppo.bench``).
 
-    python -m openrlhf_oppo.bench.report runs/2gpu/results.json [more results.json] --out runs/2gpu
-    python -m openrlhf_oppo.bench.report --summary docs/results/*/ [--into docs/RESULTS.md]
+    python -m openrlhf_oppo.bench.report runs/2gpu/results.json [more results files or run folders] --out runs/2gpu
+    python -m openrlhf_oppo.bench.report --pack docs/results/NAME/
     python -m openrlhf_oppo.bench.report --section docs/results/NAME/
+    python -m openrlhf_oppo.bench.report --summary docs/results/*/ > docs/RESULTS.md
 
-The first writes ``table.md`` and the plots of one run (several ``results.json`` of one machine are
-merged). ``--summary`` prints one row per system of every run folder given (a speed table; convergence
-runs are left out), or with ``--into`` replaces the summary block of that markdown file.
-``--section`` prints the start of a run's section in docs/RESULTS.md: its command, raw files and table.
+The first writes ``table.md`` and the plots of one run (several results files of one machine are merged).
+``--pack`` stores a run folder as docs/results keeps it: its raw results gzipped (``results.json.gz``, the same
+JSON), without ``table.md`` and the plots, which its README shows or ``--out`` redraws. ``--section`` prints a
+run's README.md: a heading, a line to replace with what the run measures and shows, then the command that made
+it, links to its files and its tables. ``--summary`` prints the results page: per placement, one row per speed
+run (each system's step time and its ratios against upstream sync and async of the same run), then one per
+learning run, and links to the other measurements.
 
 Where an OPPO system and an upstream baseline trained the same samples at some measured steps, a table
 compares their steps there (equal work; over all measured steps, OPPO with a large Delta trains the short
@@ -23,10 +27,13 @@ and upstream's async mode, generation overlaps training, so phases need not add 
 
 import argparse
 import glob
+import gzip
 import json
 import os
 import re
+import shutil
 import statistics
+import sys
 
 from openrlhf_oppo.bench import learning_report
 
@@ -42,10 +49,17 @@ OPPO_KEYS = (
     "policy_lag_mean",
     "fallback_micro_batches",
 )
-SUMMARY_START = (
-    "<!-- summary: python -m openrlhf_oppo.bench.report --summary docs/results/*/ --into docs/RESULTS.md -->"
+# What ``write`` draws: ``pack`` leaves them out of a published run folder, ``--out`` redraws them.
+PLOTS = (
+    "breakdown.png",
+    "timeline.png",
+    "convergence.png",
+    "memory.png",
+    "accuracy-by-step.png",
+    "accuracy-by-time.png",
+    "signals-by-step.png",
+    "accuracy-by-digits.png",
 )
-SUMMARY_END = "<!-- end of summary -->"
 
 
 def read_steps(tb_dir: str) -> list:
@@ -591,12 +605,54 @@ def _failed(result: dict, steps: int) -> str:
     return f"failed (exit {result.get('returncode')}" + (f", {reached} of {steps} steps)" if reached else ")")
 
 
+def load(path: str) -> dict:
+    """A results file: ``results.json`` as the benchmark writes it, or ``results.json.gz`` as ``pack`` stores it."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)
+
+
+def raw_files(folder: str) -> list:
+    """A run folder's raw results: ``results.json``, or its ``results-*.json`` (systems of one run measured side
+    by side on one host), each plain or gzipped. Where a folder holds both forms of one file, the plain one: the
+    benchmark wrote it after the folder was packed."""
+    for pattern in ("results.json", "results-*.json"):
+        found = {}
+        for path in sorted(
+            glob.glob(os.path.join(folder, pattern)) + glob.glob(os.path.join(folder, pattern + ".gz"))
+        ):
+            found.setdefault(path.removesuffix(".gz"), path)
+        if found:
+            return list(found.values())
+    return []
+
+
+def pack(folder: str) -> None:
+    """Store a run folder as docs/results keeps it: each raw results file gzipped (the same JSON, far smaller: the
+    harness's NVML and CPU samples are most of it), and no ``table.md`` or plots, which the run's README shows
+    or ``--out`` redraws from the raw results."""
+    for path in raw_files(folder):
+        if not path.endswith(".gz"):
+            with open(path, "rb") as raw, gzip.GzipFile(path + ".gz", "wb", compresslevel=9, mtime=0) as packed:
+                shutil.copyfileobj(raw, packed)
+            os.remove(path)
+    for name in ("table.md", *PLOTS):
+        if os.path.exists(os.path.join(folder, name)):
+            os.remove(os.path.join(folder, name))
+
+
+def gpu_memory_peaks(result: dict) -> list:
+    """Per GPU, the most memory in use (GiB, as NVML counts it) over a system's samples, which span from 5 s
+    before its first measured step to the end of its last: what every process on the GPU held at the peak.
+    Empty where the system has no samples (no NVML, or it stopped short: ``drop_cut_short``)."""
+    memory = [used for _, _, used in result.get("gpu_samples") or []]
+    return [max(gpu) for gpu in zip(*memory)]
+
+
 def merge(paths: list) -> dict:
     """Results of several invocations on one machine, systems in order (later ones win a name clash)."""
     merged = None
     for path in paths:
-        with open(path) as f:
-            results = drop_cut_short(json.load(f))
+        results = drop_cut_short(load(path))
         if merged is None:
             merged = results
         else:
@@ -606,12 +662,10 @@ def merge(paths: list) -> dict:
 
 
 def run_results(folder: str) -> dict:
-    """A run folder's results: its ``results.json``, or its ``results-*.json`` (systems of one run measured
-    side by side on one host) merged. The code's commit is ``commit.txt`` where the run's folder has one (a
-    machine whose checkout lacks the repository's history records a wrong one), else what results.json says."""
-    paths = sorted(glob.glob(os.path.join(folder, "results.json"))) or sorted(
-        glob.glob(os.path.join(folder, "results-*.json"))
-    )
+    """A run folder's results (``raw_files``, merged). The code's commit is ``commit.txt`` where the run's folder
+    has one (a machine whose checkout lacks the repository's history records a wrong one), else what the results
+    say."""
+    paths = raw_files(folder)
     if not paths:
         return {}
     results = merge(paths)
@@ -628,49 +682,176 @@ def is_convergence(results: dict) -> bool:
     return "task" in results or any(flag.startswith("--reward.remote_url") for flag in extra)
 
 
-def summary(folders: list) -> str:
-    """One row per system of every speed run: placement, shape, workload, baseline patched or not, step
-    time and speed-up against upstream sync and async of the same run, card and commit.
+PAGE_HEAD = """# Results
 
-    Runs against the patched upstream come first, then the others, newest first; runs in which every
-    system failed come last. A run's cells are on its first row; a failed system shows its exit code.
-    """
-    runs = []
+<!-- Made by: python -m openrlhf_oppo.bench.report --summary docs/results/*/ > docs/RESULTS.md
+     tests/test_report.py checks that it is what the raw results in docs/results give. -->
+
+Every figure here comes from the raw results in [results/](results/): one folder per run, whose README.md has
+the command that made it, all its tables and what it shows. Speed runs are grouped by placement, GPUs and model
+shape, one row per run; a step is the mean wall time of the measured steps, and each system's ratios are
+against upstream sync and upstream async (with partial rollout) of the same run, per step and per trained
+response token. *patched*: every system, upstream's included, ran on OpenRLHF with `patches/openrlhf` applied,
+the fair comparison; *unpatched*: OpenRLHF as published, whose per-call tokenizer the ratios then include.
+What the runs share, what they show together and what is not measured yet:
+[results/README.md](results/README.md). Running the benchmark: [benchmark.md](benchmark.md)."""
+
+SPEED_HEADER = (
+    "| run | workload | OpenRLHF | card | commit | steps | upstream sync (s) | upstream async (s) | system"
+    " | step (s) | vs sync | vs async | tokens/s vs sync | tokens/s vs async |"
+)
+LEARNING_HEADER = "| run | task | placement | card | commit | steps | system | start | end |"
+
+
+def summary(folders: list) -> str:
+    """The results page (docs/RESULTS.md) of the run folders given: a table of speed runs per placement, GPU
+    count and shape, with the command they share; a table of learning runs (the learning benchmark, and speed
+    runs scored by a rule); links to the folders measured by scripts of their own."""
+    speed, learning, others = {}, [], []
     for folder in folders:
+        name = os.path.basename(os.path.normpath(folder))
         results = run_results(folder)
-        if results and not is_convergence(results):
-            runs.append((os.path.basename(os.path.normpath(folder)), results))
-    runs.sort(key=lambda run: run[0])
+        if not results:
+            others.append(name)
+        elif is_convergence(results):
+            learning.append((name, results))
+        else:
+            settings = results["settings"]
+            speed.setdefault((settings["gpus"], settings["placement"], settings["shape"]), []).append((name, results))
+    lines = [PAGE_HEAD, ""]
+    for (gpus, placement, shape), runs in sorted(speed.items()):
+        lines += [
+            f"## {placement.capitalize()}, {gpus} GPU{'s' if gpus > 1 else ''}, {shape}",
+            "",
+            f"Every run here: `{common_command(results for _, results in runs)}`.",
+            "",
+            SPEED_HEADER,
+            "|---" * 14 + "|",
+            *(_speed_row(name, results) for name, results in _newest_first(runs)),
+            "",
+        ]
+    if learning:
+        lines += [
+            "## Learning",
+            "",
+            "Sampled accuracy (the learning benchmark: 3-step means at the start and the end, means over the seeds)"
+            " or mean reward (a speed run scored by a rule: the first and the last 5 steps), per system.",
+            "",
+            LEARNING_HEADER,
+            "|---" * 9 + "|",
+            *(_learning_row(name, results) for name, results in _newest_first(learning)),
+            "",
+        ]
+    if others:
+        links = " · ".join(f"[{name}](results/{name}/)" for name in sorted(others))
+        lines += ["## Other measurements", "", f"Each with its own script, named in its README: {links}", ""]
+    return "\n".join(lines)
+
+
+def _newest_first(runs: list) -> list:
+    """Runs against the patched upstream first, then the others, newest first; runs in which every system failed
+    come last."""
+    runs = sorted(runs, key=lambda run: run[0])
     runs.sort(key=lambda run: run[1].get("date", ""), reverse=True)
     runs.sort(key=lambda run: (not any(r.get("summary") for r in run[1]["systems"].values()), not _patched(run[1])))
-    lines = [
-        "| run | placement | shape | workload | OpenRLHF | card | commit | system | step (s) | vs sync | vs async"
-        " | tokens/s vs sync | tokens/s vs async | measured steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    return runs
+
+
+def _run_cell(name: str) -> str:
+    """A link to the run's folder, with the anchor its heading on the page once had: links from before the page
+    was a table still lead to its row."""
+    anchor = re.sub(r"[^\w\- ]", "", name.lower()).replace(" ", "-")
+    return f'<a id="{anchor}"></a>[{name}](results/{name}/)'
+
+
+def _card(results: dict) -> str:
+    gpus = results["machine"]["gpus"]
+    return f"{len(gpus)}x {gpus[0].removeprefix('NVIDIA ') if gpus else 'CPU'}"
+
+
+def _speed_row(name: str, results: dict) -> str:
+    """A speed run's row: its settings and baselines' step times, then each other system's step and ratios, one
+    line of the cell each."""
+    settings, workload, systems = results["settings"], results["workload"], results["systems"]
+    base = _baselines(systems)
+    cells = [
+        _run_cell(name),
+        f"{workload['distribution']}, mean {workload['mean_length']:.0f}, max {workload['max_length']}",
+        "patched" if _patched(results) else "unpatched",
+        _card(results),
+        results.get("commit") or "-",
+        str(settings["steps"]),
     ]
-    for name, results in runs:
-        settings, workload, systems = results["settings"], results["workload"], results["systems"]
-        base = _baselines(systems)
-        gpus = results["machine"]["gpus"]
-        run = (
-            f"| [{name}](results/{name}/) | {settings['placement']}, {settings['gpus']} GPU"
-            + ("s" if settings["gpus"] > 1 else "")
-            + f" | {settings['shape']} | {workload['distribution']}, mean {workload['mean_length']:.0f},"
-            f" max {workload['max_length']} | {'patched' if _patched(results) else 'unpatched'}"
-            f" | {len(gpus)}x {gpus[0].removeprefix('NVIDIA ') if gpus else 'CPU'} | {results.get('commit') or '-'} |"
-        )
-        # Upstream's systems first: the baselines the ratios are taken against.
-        for system in sorted(systems, key=lambda s: not s.startswith("upstream-")):
-            result = systems[system]
-            s = result.get("summary") or {}
-            if not s:
-                cells = f"{_failed(result, settings['steps'])} | - | - | - | -"
-            else:
-                (sync_step, sync_token), (async_step, async_token) = (_speedups(base[k], s) for k in ("sync", "async"))
-                cells = f"{s['step_mean_s']:.2f} | {sync_step} | {async_step} | {sync_token} | {async_token}"
-            lines.append(f"{run} {system} | {cells} | {settings['steps']} |")
-            run = "|" + " |" * 7
-    return "\n".join(lines) + "\n"
+    for kind in ("sync", "async"):
+        result = systems.get(f"upstream-{kind}")
+        s = (result or {}).get("summary")
+        cells.append(f"{s['step_mean_s']:.2f}" if s else _failed(result, settings["steps"]) if result else "-")
+    columns = [[] for _ in range(6)]
+    for system, result in systems.items():
+        if system in ("upstream-sync", "upstream-async"):
+            continue
+        s = result.get("summary") or {}
+        if s:
+            (sync_step, sync_token), (async_step, async_token) = (_speedups(base[k], s) for k in ("sync", "async"))
+            values = [system, f"{s['step_mean_s']:.2f}", sync_step, async_step, sync_token, async_token]
+        else:
+            values = [system, _failed(result, settings["steps"]), "-", "-", "-", "-"]
+        for column, value in zip(columns, values):
+            column.append(value)
+    cells += ["<br>".join(column) or "-" for column in columns]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _learning_row(name: str, results: dict) -> str:
+    """A learning run's row: per system (with its seeds), the sampled accuracy at the start and the end for the
+    learning benchmark (``learning_report``'s smoothing, means over the seeds), or the mean reward of the first
+    and the last 5 steps for a speed run scored by a rule."""
+    settings = results["settings"]
+    if "task" in results:
+        task = f"{results['task']['name']}, digits mean {results['task']['prompts']['digits']['mean']:g}"
+        runs = learning_report.runs_by_system(results)
+
+        def start_end(steps):
+            return (
+                learning_report.accuracy(steps[: learning_report.SMOOTHING])[-1],
+                learning_report.accuracy(steps)[-1],
+            )
+
+        shown = "{:.1%}"
+    else:
+        reward = next(f for f in settings["extra"] if f.startswith("--reward.remote_url"))
+        task = f"reward: `{os.path.basename(reward.split('=', 1)[1])}`"
+        runs = {system: {0: r["steps"]} if r.get("steps") else {} for system, r in results["systems"].items()}
+
+        def start_end(steps):
+            rewards = [s.get("rollout/reward_mean", float("nan")) for s in steps]
+            return statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
+
+        shown = "{:.3f}"
+    names, starts, ends = [], [], []
+    for system, seeds in runs.items():
+        count = len(seeds)
+        names.append(system + (f" ({count} seeds)" if count > 1 else ""))
+        if not seeds:
+            starts.append("failed")
+            ends.append("-")
+            continue
+        start, end = zip(*(start_end(steps) for steps in seeds.values()))
+        starts.append(shown.format(statistics.mean(start)))
+        ends.append(shown.format(statistics.mean(end)))
+    gpus = settings["gpus"]
+    cells = [
+        _run_cell(name),
+        task,
+        f"{settings['placement']}, {gpus} GPU{'s' if gpus > 1 else ''}",
+        _card(results),
+        results.get("commit") or "-",
+        str(settings["steps"]),
+        "<br>".join(names),
+        "<br>".join(starts),
+        "<br>".join(ends),
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 def _ratio_x(numerator, denominator) -> str:
@@ -679,12 +860,6 @@ def _ratio_x(numerator, denominator) -> str:
 
 def _patched(results: dict) -> bool:
     return bool(results.get("upstream_patches"))
-
-
-def replace_summary(markdown: str, table_md: str) -> str:
-    """``markdown`` with the block between SUMMARY_START and SUMMARY_END replaced by ``table_md``."""
-    start, end = markdown.index(SUMMARY_START) + len(SUMMARY_START), markdown.index(SUMMARY_END)
-    return markdown[:start] + "\n" + table_md + markdown[end:]
 
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -721,22 +896,27 @@ def without_machine_folders(value, folders: dict):
     return named(value)
 
 
+def command_items(command: str) -> list:
+    """One recorded command as its flags (each with its value) and lone words, without the machine's own
+    folders: --workdir and --scratch are dropped, --out becomes OUT, and paths into this repository start at
+    $PWD."""
+    items = []
+    for word in command.split():
+        word = re.sub(r"=/\S*?/(examples|docs)/", r"=$PWD/\1/", word)
+        if items and items[-1].startswith("--") and " " not in items[-1] and not word.startswith("--"):
+            items[-1] += " " + word
+        else:
+            items.append(word)
+    items = [item for item in items if item.split()[0] not in ("--workdir", "--scratch")]
+    return ["--out OUT" if item.startswith("--out ") else item for item in items]
+
+
 def shown_command(results: dict) -> str:
-    """The recorded command(s), one per line, without the machine's own folders: --workdir and --scratch
-    are dropped, --out becomes OUT, and paths into this repository start at $PWD."""
+    """The recorded command(s) (``command_items``), one per line, wrapped at 100 characters."""
     commands = []
     for command in results["command"].split(" ; "):
-        items = []  # a flag with its value, or a lone word
-        for word in command.split():
-            word = re.sub(r"=/\S*?/(examples|docs)/", r"=$PWD/\1/", word)
-            if items and items[-1].startswith("--") and " " not in items[-1] and not word.startswith("--"):
-                items[-1] += " " + word
-            else:
-                items.append(word)
-        items = [item for item in items if item.split()[0] not in ("--workdir", "--scratch")]
-        items = ["--out OUT" if item.startswith("--out ") else item for item in items]
         lines = [""]
-        for item in items:
+        for item in command_items(command):
             if lines[-1] and len(lines[-1]) + len(item) > 100:
                 lines.append("   ")
             lines[-1] += (" " if lines[-1] else "") + item
@@ -744,20 +924,24 @@ def shown_command(results: dict) -> str:
     return "\n".join(commands)
 
 
+def common_command(runs) -> str:
+    """The flags and words that every command of every run given has, in the first command's order."""
+    commands = [command_items(c) for results in runs for c in results["command"].split(" ; ")]
+    return " ".join(item for item in commands[0] if all(item in other for other in commands[1:]))
+
+
 def section(folder: str) -> str:
-    """What docs/RESULTS.md shows of a run below its own heading and text: the command that made it, links
-    to its raw files and plots, and its table (``table.md``, which the tests check against the raw JSON)."""
-    name = os.path.basename(os.path.normpath(folder))
+    """What a run's README.md shows below its own text: the command that made it, links to its raw results and
+    other files, and its tables, made from the raw results (``tests/test_report.py`` checks every README)."""
     results = run_results(folder)
-    raw = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "results*.json")))
     extra = sorted(
         os.path.basename(p)
         for pattern in ("*.png", "trace-*.json", "*.txt")
         for p in glob.glob(os.path.join(folder, pattern))
         if not p.endswith("commit.txt")
     )
-    links = " · ".join(f"[{file}](results/{name}/{file})" for file in raw + extra)
-    return f"```\n{shown_command(results)}\n```\n\n{links}\n\n{open(os.path.join(folder, 'table.md')).read()}"
+    links = " · ".join(f"[{file}]({file})" for file in [os.path.basename(p) for p in raw_files(folder)] + extra)
+    return f"```\n{shown_command(results)}\n```\n\n{links}\n\n{table(results)}"
 
 
 def _title(results):
@@ -777,29 +961,29 @@ def _fmt(value):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", help="results.json files, or run folders with --summary/--section")
+    parser.add_argument("paths", nargs="+", help="results files or run folders")
     parser.add_argument("--out", help="where table.md and the plots go")
-    parser.add_argument("--summary", action="store_true", help="the summary table of the run folders given")
-    parser.add_argument("--into", help="with --summary: replace the summary block of this markdown file")
-    parser.add_argument("--section", action="store_true", help="the start of each run folder's RESULTS section")
+    parser.add_argument("--pack", action="store_true", help="store each run folder given as docs/results keeps it")
+    parser.add_argument("--section", action="store_true", help="print each run folder's README.md")
+    parser.add_argument("--summary", action="store_true", help="print the results page of the run folders given")
     args = parser.parse_args()
     if args.summary:
-        table_md = summary(args.paths)
-        if args.into:
-            with open(args.into) as f:
-                markdown = f.read()
-            with open(args.into, "w") as f:
-                f.write(replace_summary(markdown, table_md))
-        print(table_md)
+        sys.stdout.write(summary(args.paths))
     elif args.section:
         for folder in args.paths:
             name = os.path.basename(os.path.normpath(folder))
-            print(f"### {name}\n\n(what the run measures, and what it shows)\n\n{section(folder)}")
+            sys.stdout.write(f"# {name}\n\n(what the run measures, and what it shows)\n\n{section(folder)}")
+    elif args.pack:
+        for folder in args.paths:
+            pack(folder)
     elif args.out:
-        write(merge(args.paths), args.out)
+        write(
+            merge([file for path in args.paths for file in (raw_files(path) if os.path.isdir(path) else [path])]),
+            args.out,
+        )
         print(open(os.path.join(args.out, "table.md")).read())
     else:
-        parser.error("give --out, --summary or --section")
+        parser.error("give --out, --pack, --section or --summary")
 
 
 if __name__ == "__main__":
