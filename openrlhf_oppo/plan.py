@@ -36,7 +36,9 @@ MAX_DELTA_BATCHES = 2
 # vLLM's share under --train.colocate_all awake is never set below this: the engine's own buffers and CUDA graphs.
 MIN_VLLM_SHARE = 0.10
 # The memory plan keeps this share of each GPU free for what it does not model (fragmentation, NCCL, allocator).
-HEADROOM = 0.08
+HEADROOM = 0.02
+# vLLM's activations and CUDA graphs inside its share, beside the weights and the KV cache.
+VLLM_ACTIVATIONS_GIB = 2.0
 CACHE_BUDGET_GB = 4.0
 
 
@@ -162,7 +164,7 @@ def _resolve(args) -> Plan:
     choices, changes = [], []
     total = gpu_gib(oppo)
     if work.train.colocate_all and oppo.memory_flags == "plan" and total is not None:
-        _plan_colocated_memory(work, total, choices, changes)
+        _plan_colocated_memory(work, total, given, choices, changes)
     config.resolve_roles(work)
     _resolve_lag(work, given, choices)
     _resolve_mechanisms(work, given, choices)
@@ -244,7 +246,7 @@ def _resolve_lag(work, given, choices) -> None:
     defer = oppo.max_defer_steps
     prompts_left = max(work.data.max_samples - batch, 0) if work.data.max_samples else math.inf
     if oppo.overcommit_max == "auto":
-        oppo.overcommit_max = int(min(max(1, min(MAX_DELTA_BATCHES, defer - 1)) * batch, prompts_left))
+        oppo.overcommit_max = int(min(_delta_max(batch, defer), prompts_left))
         oppo.overcommit_max = max(oppo.overcommit_max, oppo.overcommit_min)
     if oppo.overcommit_inc == "auto":
         oppo.overcommit_inc = max(1, batch // 4)
@@ -279,10 +281,7 @@ def _resolve_mechanisms(work, given, choices) -> None:
         if oppo.policy_logprobs == "vllm":
             choices.append(Choice("policy_logprobs", "vllm", "the engines score them after the sync, beside decoding"))
     if oppo.state_moves == "auto":
-        overlap = work.ds.enable_sleep and work.algo.advantage.estimator == "gae"
-        oppo.state_moves = "overlap" if overlap else "serial"
-        if overlap:
-            choices.append(Choice("state_moves", "overlap", "one model's states move while the other trains"))
+        oppo.state_moves = "serial"  # overlapped moves hold two models' states: only where the memory plan fits them
     if oppo.critic_catch_up == "auto":
         alone = config.critic_catches_up_alone(work)
         oppo.critic_catch_up = "next_batch" if alone else "next_step"
@@ -329,6 +328,7 @@ def _layout(work):
         cache_budget_gb=oppo.cache_budget_gb,
         frozen_beside_vllm=oppo.frozen_scorers_on == "generation",
         colocated_decode=work.train.colocate_all and not work.vllm.enable_sleep,
+        staged_weights=not work.train.colocate_all and not work.vllm.enable_sleep and oppo.weight_sync == "staged",
     )
 
 
@@ -340,32 +340,56 @@ def _estimate(work, total_gib):
 
     try:
         return memory.estimate(work, _layout(work), total_gib)
-    except memory.UnknownShape:
+    except LookupError:  # a model's config cannot be read here (a hub name not in the cache)
         return None
 
 
-def _plan_colocated_memory(work, total, choices, changes) -> None:
+def _plan_colocated_memory(work, total, given, choices, changes) -> None:
     """Under ``--train.colocate_all``: vLLM awake beside the models where it fits, with the DeepSpeed states on the
-    GPU where they fit too; where nothing faster fits, the user's flags stay."""
+    GPU where they fit too, else (where the user's flags move them anyway) moved while the other model trains; a
+    smaller scorer cache budget (unless given) before a slower layout. Where nothing awake fits, the user's flags stay, streaming where its caches fit."""
+    oppo = work.oppo
     user = (work.vllm.enable_sleep, work.ds.enable_sleep, work.vllm.gpu_memory_utilization)
     share = _vllm_share_needed(work, total)
-    candidates = (
-        (False, "vLLM awake, DeepSpeed states on the GPU"),
-        (True, "vLLM awake, DeepSpeed states moved while the other model trains"),
-    )
+    budgets = [oppo.cache_budget_gb] if "cache_budget_gb" in given else [CACHE_BUDGET_GB, 2.0, 1.0]
+    # Moving the states off the GPU where the user keeps them there is slower than upstream's own layout in every
+    # paired run (docs/results): only a run that already moves them (the hybrid engine) moves them overlapped.
+    overlap = work.ds.enable_sleep and oppo.state_moves in ("auto", "overlap")
+    overlap = overlap and work.algo.advantage.estimator == "gae"
+    candidates = [(False, "vLLM awake, DeepSpeed states on the GPU")]
+    if overlap:
+        candidates.append((True, "vLLM awake, DeepSpeed states moved while the other model trains"))
     for ds_sleep, what in candidates:
-        probe = copy.deepcopy(work)
-        probe.vllm.enable_sleep, probe.ds.enable_sleep, probe.vllm.gpu_memory_utilization = False, ds_sleep, share
-        estimate = _estimate(probe, total)
-        if estimate is None:
-            return  # the shapes are unknown: the user's flags stay
-        if estimate.worst.peak_gib <= total * (1 - HEADROOM):
-            _set(work, changes, "--vllm.enable_sleep", user[0], False)
-            _set(work, changes, "--ds.enable_sleep", user[1], ds_sleep)
-            _set(work, changes, "--vllm.gpu_memory_utilization", user[2], share)
-            choices.append(Choice("placement", what, f"{estimate.worst.peak_gib:.0f} of {total:.0f} GiB"))
-            return
+        for budget in budgets:
+            probe = copy.deepcopy(work)
+            probe.vllm.enable_sleep, probe.ds.enable_sleep, probe.vllm.gpu_memory_utilization = False, ds_sleep, share
+            probe.oppo.cache_budget_gb = budget
+            estimate = _estimate(probe, total)
+            if estimate is None:
+                return  # the shapes are unknown: the user's flags stay
+            if _fits(estimate, total):
+                _set(work, changes, "--vllm.enable_sleep", user[0], False)
+                _set(work, changes, "--ds.enable_sleep", user[1], ds_sleep)
+                _set(work, changes, "--vllm.gpu_memory_utilization", user[2], share)
+                oppo.cache_budget_gb = budget
+                if ds_sleep and oppo.state_moves == "auto":
+                    oppo.state_moves = "overlap"
+                choices.append(Choice("placement", what, f"{estimate.worst.peak_gib:.0f} of {total:.0f} GiB"))
+                return
     choices.append(Choice("placement", "as given", "vLLM awake does not fit beside the models"))
+    if work.vllm.enable_sleep and oppo.intra_step == "auto":
+        for budget in budgets:
+            probe = copy.deepcopy(work)
+            probe.oppo.intra_step, probe.oppo.cache_budget_gb = "on", budget
+            estimate = _estimate(probe, total)
+            if estimate is not None and _fits(estimate, total):
+                oppo.intra_step, oppo.cache_budget_gb = "on", budget
+                choices.append(Choice("intra_step", "on", "the scorers' caches fit beside the sleeping engines"))
+                return
+
+
+def _fits(estimate, total: float) -> bool:
+    return estimate.worst.peak_gib <= total * (1 - HEADROOM)
 
 
 def _set(work, changes, flag, given, planned) -> None:
@@ -376,19 +400,29 @@ def _set(work, changes, flag, given, planned) -> None:
 
 
 def _vllm_share_needed(work, total_gib: float) -> float:
-    """The smallest vLLM share that holds the policy's weights and the KV cache of every request in flight at
-    the longest length (B + 2B groups), never above what the user gave."""
+    """The smallest vLLM share that holds the policy's weights, its activations and the KV cache of every request
+    in flight at the longest length (B + Delta's bound), never above what the user gave."""
     from openrlhf_oppo import memory
 
     shape = memory.model_shape(work.actor.model_name_or_path)
     given = work.vllm.gpu_memory_utilization
     if shape is None:
         return given
-    in_flight = (1 + MAX_DELTA_BATCHES) * work.rollout.batch_size * work.rollout.n_samples_per_prompt
-    longest = work.data.max_len or (work.data.prompt_max_len + (work.rollout.max_new_tokens or 0))
-    need = shape.weight_bytes + in_flight * longest * shape.kv_bytes_per_token + memory.VLLM_OVERHEAD_BYTES
+    groups = work.rollout.batch_size + _delta_max(work.rollout.batch_size, _colocated_defer_limit(work.oppo.max_lag))
+    sequences = groups * work.rollout.n_samples_per_prompt
+    need = 2 * shape.params + sequences * work.data.max_len * shape.kv_bytes_per_token + VLLM_ACTIVATIONS_GIB * 2**30
     share = math.ceil(need / 2**30 / total_gib * 100) / 100
     return min(given, max(MIN_VLLM_SHARE, share))
+
+
+def _colocated_defer_limit(lag: int) -> int:
+    """Awake engines on the models' GPUs start new prompts before training, a version early, where the bound
+    leaves them a step to be carried (``_resolve_lag``)."""
+    return lag - 1 if lag >= 2 else lag
+
+
+def _delta_max(batch: int, defer: int) -> int:
+    return max(1, min(MAX_DELTA_BATCHES, defer - 1)) * batch
 
 
 # -- the plan object and its line ------------------------------------------------------------------------------
@@ -451,7 +485,9 @@ def describe(plan: Plan) -> str:
     if not plan.enabled:
         return "OPPO off" + (" (models colocated, vLLM apart)" if plan.colocate_models else "")
     parts = [
-        f"intra-step streaming to {', '.join(plan.streamed_roles)}" if plan.streamed_roles else "no streaming"
+        f"intra-step streaming to {', '.join(plan.streamed_roles)} ({plan.cache_budget_gb:g} GiB of cache each)"
+        if plan.streamed_roles
+        else "no streaming"
     ]
     if plan.colocate_models:
         parts.append(f"reward and reference on the {'engines' if plan.frozen_scorers_on == 'generation' else 'models'}' GPUs")
@@ -479,7 +515,7 @@ def describe(plan: Plan) -> str:
             "changed " + ", ".join(f"{c.flag} {_shown(c.given)} -> {_shown(c.planned)}" for c in plan.upstream_changes)
         )
     if plan.memory is not None:
-        parts.append(f"memory plan: {plan.memory.line()}")
+        parts.append(plan.memory.line())
     return "OPPO on: " + "; ".join(parts)
 
 

@@ -225,6 +225,9 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             metrics.update(self._update_chunk_size(stats))
             metrics.update(scorer_metrics(stats))
         metrics.update(resource_metrics(self.coordinator.resources(), self.cpu_seconds))
+        if self.plan.memory is not None:
+            # The memory plan's estimate of the fullest GPU, beside what the actors hold (oppo/memory/*_gpu_*).
+            metrics["oppo/memory/estimate_gb"] = self.plan.memory.worst.peak_gib
         return metrics
 
     def _update_chunk_size(self, stats: dict) -> dict:

@@ -22,6 +22,7 @@ from openrlhf_oppo.bench.systems import (
     system_flags,
 )
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
+from openrlhf_oppo.plan import resolve
 
 
 @pytest.mark.parametrize("placement,gpus", [("split", 2), ("split", 4), ("colocated", 1)])
@@ -44,16 +45,23 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
     assert args.oppo.enable == system.startswith("oppo")
     assert args.train.async_enable == (system == "upstream-async")
     assert args.oppo.colocate_models == (placement == "split" and system != "upstream-async")
+    if system == "oppo":  # the flag swap: OpenRLHF's flags and --oppo.enable, the rest the plan's
+        assert [flag for flag in flags + system_flags(system, placement, 16) if flag.startswith("--oppo.")] == [
+            "--oppo.enable"
+        ] + (["--oppo.colocate_models"] if placement == "split" else [])
     if system.startswith("oppo"):
-        assert args.oppo.inter_step == (system != "oppo-intra")
-        assert args.oppo.top_up == ("step_end" if system in ("oppo-both-early",) + AWAKE else "step_start")
+        plan = resolve(args)
+        assert plan.inter_step == (system != "oppo-intra")
+        assert plan.top_up == ("step_end" if system in ("oppo-both-early",) + AWAKE else "step_start")
         assert args.vllm.enable_sleep == (placement == "colocated" and system not in AWAKE)
-        assert args.oppo.colocated_decode == ("during_training" if system in AWAKE else "pause")
-        assert bool(args.oppo.streamed_roles) == (system not in INTER_ONLY)
+        assert plan.colocated_decode == ("during_training" if system in AWAKE else "pause")
+        # Under the hybrid engine, with no GPU to plan its memory against, the plan keeps vLLM asleep: no streaming.
+        hybrid_default = system == "oppo" and placement == "colocated"
+        assert bool(plan.streamed_roles) == (system not in INTER_ONLY and not hybrid_default)
         # The frozen models go beside vLLM wherever they stream in the split placement.
         beside_vllm = placement == "split" and system not in ("oppo-inter", "oppo-both-frozen-with-models")
-        assert args.oppo.frozen_scorers_on == ("generation" if beside_vllm else "models")
-        assert args.oppo.carry_kv == ("keep" if system in KEEP_KV else "recompute")
+        assert plan.frozen_scorers_on == ("generation" if beside_vllm else "models")
+        assert plan.carry_kv == ("keep" if system in KEEP_KV else "recompute")
     if placement == "split":
         assert args.vllm.num_engines == gpus // 2 and args.actor.num_gpus_per_node == gpus // 2
 
@@ -86,8 +94,9 @@ def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch):
     args = parse_args(flags + system_flags("oppo-both", "split", 32) + extra)
     assert args.ds.zero_stage == 3 and args.ds.adam_offload and args.vllm.gpu_memory_utilization == 0.6
     assert args.rollout.micro_batch_size == 32 and args.train.micro_batch_size == 8
-    assert args.oppo.streamed_roles == ["policy", "critic", "reward", "reference"]
-    assert args.oppo.frozen_scorers_on == "generation" and args.reward.num_gpus_per_node == 2
+    plan = resolve(args)
+    assert plan.streamed_roles == ("policy", "critic", "reward", "reference")
+    assert plan.frozen_scorers_on == "generation" and args.reward.num_gpus_per_node == 2
 
 
 @pytest.mark.parametrize("system", ["upstream-sync", "upstream-async", "oppo-both", "oppo-inter"])
@@ -102,7 +111,7 @@ def test_models_on_three_gpus_and_vllm_on_one(system, monkeypatch):
     beside_vllm = system == "oppo-both"
     assert args.reward.num_gpus_per_node == args.ref.num_gpus_per_node == (1 if beside_vllm else 3)
     if system.startswith("oppo"):
-        assert args.oppo.frozen_scorers_on == ("generation" if beside_vllm else "models")
+        assert resolve(args).frozen_scorers_on == ("generation" if beside_vllm else "models")
 
 
 @pytest.mark.parametrize(
@@ -168,8 +177,9 @@ def test_learning_benchmark_run_is_a_valid_command(placement, system, monkeypatc
     assert args.actor.lr_scheduler == "constant_with_warmup"
     if system.startswith("oppo"):
         # No reward model, no critic; colocated, the policy's log-probs wait for the step (streaming auto).
-        assert args.oppo.streamed_roles == (["policy", "reference"] if placement == "split" else ["reference"])
-        assert args.oppo.carry_kv == ("keep" if system in KEEP_KV else "recompute")
+        plan = resolve(args)
+        assert plan.streamed_roles == (("policy", "reference") if placement == "split" else ("reference",))
+        assert plan.carry_kv == ("keep" if system in KEEP_KV else "recompute")
 
 
 @pytest.mark.parametrize(
@@ -214,7 +224,7 @@ def test_group_norm_benchmark_drops_the_critic(system, monkeypatch):
     assert args.rollout.n_samples_per_prompt == 4 and args.train.batch_size == 64
     assert args.actor.gradient_checkpointing_enable  # the speed benchmark's shapes train with it
     if system == "oppo-both":
-        assert args.oppo.streamed_roles == ["policy", "reward", "reference"] and args.oppo.overcommit == 8
+        assert resolve(args).streamed_roles == ("policy", "reward", "reference") and args.oppo.overcommit == 8
 
 
 def test_bimodal_workload_takes_its_two_lengths_and_their_share():

@@ -168,11 +168,12 @@ def test_throughput_rule_fixed_delta_and_state():
 def test_overcommit_rule_option():
     from openrlhf_oppo.cli.train_ppo_ray import parse_args
     from openrlhf_oppo.config import OPPOConfigError
+    from openrlhf_oppo.plan import resolve
 
     base = ["--actor.model_name_or_path", "m", "--reward.model_name_or_path", "m", "--vllm.num_engines", "1"]
-    assert parse_args(base + ["--oppo.enable"]).oppo.overcommit_rule == "throughput"
+    assert resolve(parse_args(base + ["--oppo.enable"])).overcommit.rule == "throughput"
     rule = ["--oppo.overcommit_rule", "reward_slope"]
-    assert parse_args(base + ["--oppo.enable"] + rule).oppo.overcommit_rule == "reward_slope"
+    assert resolve(parse_args(base + ["--oppo.enable"] + rule)).overcommit.rule == "reward_slope"
     with pytest.raises(OPPOConfigError, match="--oppo.overcommit 8 fixes it"):
         parse_args(base + ["--oppo.enable", "--oppo.overcommit", "8"] + rule)
     with pytest.raises(SystemExit):

@@ -25,7 +25,8 @@ def fake_python(tmp_path_factory):
         "assert sys.argv[1:3] == ['-m', 'openrlhf_oppo.cli.train_ppo_ray'], sys.argv\n"
         "from openrlhf_oppo.cli.train_ppo_ray import parse_args\n"
         "args = parse_args(sys.argv[3:])\n"
-        "print('parsed', args.oppo.enable, args.oppo.streamed_roles)\n"
+        "from openrlhf_oppo.plan import resolve\n"
+        "print('parsed', args.oppo.enable, list(resolve(args).streamed_roles))\n"
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     return folder

@@ -83,12 +83,15 @@ def test_upstream_cli_loads_oppo_as_an_extension(patched):
             runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
         except Captured as captured:
             args, components = captured.args
-            print("trainer", components["trainer"].__ray_actor_class__.__name__)
+            trainer = components["trainer"]  # bound to the run's plan
+            print("trainer", trainer.actor_class.__ray_actor_class__.__name__)
             print("rollout", components["rollout"].__ray_actor_class__.__name__)
-            print("streamed", args.oppo.streamed_roles, "colocate_models", args.train.colocate_models)
+            plan = trainer.extra_kwargs["plan"]
+            print("streamed", list(plan.streamed_roles), "colocate_models", args.train.colocate_models)
+            print("same plan", all(components[r].extra_kwargs["plan"] is plan for r in ("policy", "critic")))
         """,
     )
-    assert "trainer OPPOTrainer" in out and "rollout OPPORolloutActor" in out
+    assert "trainer OPPOTrainer" in out and "rollout OPPORolloutActor" in out and "same plan True" in out
     assert "colocate_models True" in out and "'policy', 'critic', 'reward', 'reference'" in out
 
 
@@ -97,8 +100,9 @@ def test_oppo_wrapper_works_with_the_patches(patched):
         patched,
         f"""
         from openrlhf_oppo.cli.train_ppo_ray import parse_args
-        args = parse_args({BASE!r}.split() + ["--oppo.enable", "--oppo.overcommit", "3"])
-        print("overcommit", args.oppo.overcommit, "inter", args.oppo.inter_step)
+        from openrlhf_oppo.plan import resolve
+        plan = resolve(parse_args({BASE!r}.split() + ["--oppo.enable", "--oppo.overcommit", "3"]))
+        print("overcommit", plan.overcommit.initial, "inter", plan.inter_step)
         args = parse_args({BASE!r}.split())
         print("enable", args.oppo.enable)
         """,

@@ -22,7 +22,8 @@ from openrlhf_oppo.testing import cpu_pipeline
 pytestmark = pytest.mark.engine
 
 N_SAMPLES = 2
-OVERCOMMIT = ["--oppo.overcommit", "2", "--oppo.max_defer_steps", "1"]
+# Carried at most one step, and so trained at most one weight version behind (the bound the trainer enforces).
+OVERCOMMIT = ["--oppo.overcommit", "2", "--oppo.max_defer_steps", "1", "--oppo.max_lag", "1"]
 
 
 def _recording_trainer(path):
@@ -34,7 +35,10 @@ def _recording_trainer(path):
         def train_step(self, rollout_samples, global_step):
             with open(path, "a") as f:
                 f.write(json.dumps([s.prompts[0] for s in rollout_samples]) + "\n")
-            return super().train_step(rollout_samples, global_step)
+            status, global_step = super().train_step(rollout_samples, global_step)
+            with open(path + ".lag", "a") as f:
+                f.write(json.dumps(status.get("oppo/policy_lag_max")) + "\n")
+            return status, global_step
 
     return ray.remote(Recording)
 
@@ -118,6 +122,9 @@ def test_resume_from_every_checkpoint_trains_every_prompt_once_an_episode(
     for step in range(1, len(full) + 1):
         resumed = _resume_from(tmp_path, train, step, *OVERCOMMIT)
         _assert_once_an_episode(full[:step] + resumed, everyone, f"resumed from step {step}")
+    # The lag bound across carries, deferrals and every resume: reached, never passed.
+    lags = [json.loads(line) for path in tmp_path.glob("*.jsonl.lag") for line in open(path)]
+    assert lags and max(lags) == 1 and all(lag is not None and lag <= 1 for lag in lags)
 
 
 def test_without_overcommit_the_checkpoint_of_an_episodes_end_resumes_the_next(

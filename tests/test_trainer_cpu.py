@@ -53,6 +53,9 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
     steps = run(
         checkpoints, engine, tmp_path, prompts,
         "--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8", "--oppo.top_up", top_up,
+        # The policy's own ranks score its log-probs and the critic catches up at the next step (what the plan
+        # picks with vLLM asleep or at another temperature): both hold their chunks through training.
+        "--oppo.policy_logprobs", "policy", "--oppo.critic_catch_up", "next_step",
         "--oppo.trace_dir", str(tmp_path / "trace"), "--oppo.profile_step", "2",
         "--train.num_episodes", "2",
     )  # fmt: skip

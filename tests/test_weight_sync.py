@@ -124,19 +124,24 @@ def test_buckets_keep_order_one_dtype_and_the_size_limit():
 
 
 def test_sync_plan_stages_only_where_engines_decode_through_the_sync():
-    def args(bucket_mb=512, inter_step=True, sleep=False, colocate_all=False, weight_sync="staged"):
-        return SimpleNamespace(
-            vllm=SimpleNamespace(sync_bucket_mb=bucket_mb, enable_sleep=sleep),
-            train=SimpleNamespace(colocate_all=colocate_all),
-            oppo=SimpleNamespace(inter_step=inter_step, weight_sync=weight_sync),
+    from openrlhf_oppo.plan import Overcommit, Plan
+
+    def plan(bucket_mb=512, inter_step=True, sleep=False, colocate_all=False, weight_sync="staged"):
+        return Plan(
+            enabled=True,
+            overcommit=Overcommit(initial=4 if inter_step else 0),
+            sync_bucket_mb=bucket_mb,
+            vllm_sleeps=sleep,
+            colocate_all=colocate_all,
+            weight_sync=weight_sync,
         )
 
-    assert SyncPlan.from_args(args()) == SyncPlan(512 << 20, staged=True)
-    assert not SyncPlan.from_args(args(weight_sync="paused")).staged
-    assert not SyncPlan.from_args(args(inter_step=False)).staged  # nothing decodes during the sync
-    assert not SyncPlan.from_args(args(sleep=True)).staged
-    assert not SyncPlan.from_args(args(colocate_all=True)).staged  # engines paused while the models train
-    assert SyncPlan.from_args(args(bucket_mb=0)) == SyncPlan(0, staged=False)  # upstream's own sync
+    assert SyncPlan.of(plan()) == SyncPlan(512 << 20, staged=True)
+    assert not SyncPlan.of(plan(weight_sync="paused")).staged
+    assert not SyncPlan.of(plan(inter_step=False)).staged  # nothing decodes during the sync
+    assert not SyncPlan.of(plan(sleep=True)).staged
+    assert not SyncPlan.of(plan(colocate_all=True)).staged  # engines paused while the models train
+    assert SyncPlan.of(plan(bucket_mb=0)) == SyncPlan(0, staged=False)  # upstream's own sync
 
 
 def test_rollout_actor_swaps_in_the_worker_extension_only_for_upstreams():

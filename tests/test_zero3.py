@@ -196,11 +196,15 @@ def _frozen_actor(role, checkpoints, args):
     placement loads it under ``--ds.zero_stage 3`` (``args``), with the scorer set up."""
     from openrlhf.utils import get_strategy
 
-    assert role in args.oppo.streamed_roles
+    from openrlhf_oppo.plan import resolve
+
+    plan = resolve(args)
+    assert role in plan.streamed_roles
     strategy = get_strategy(args)
     strategy.setup_distributed = lambda: None  # upstream's builds a CUDA device mesh; gloo is up already
     cls = actors.StreamingRewardModelActor if role == "reward" else actors.StreamingReferenceModelActor
     actor = cls.__new__(cls)  # BaseDistributedActor.__init__ only sets a GPU rank's environment
+    actor.oppo_plan = plan  # what the constructor receives
     actor.init_model_from_pretrained(strategy, checkpoints["reward" if role == "reward" else "actor"])
     assert strategy.stage == 0
     if role == "reward":

@@ -55,6 +55,7 @@ class StreamingScorerMixin:
 
     oppo_scorer: ChunkScorer = None
     oppo_copy: InferenceCopy = None  # the weights the scorer runs on, under ZeRO-3
+    oppo_plan: Plan = OFF
 
     def __init__(self, *args, plan: Plan = None, **kwargs):
         super().__init__(*args, **kwargs)

@@ -1,0 +1,186 @@
+"""The run's plan: what ``--oppo.enable`` alone resolves to for each placement, the lag bound it derives, that the
+user's options win, and that resolving never writes into the parsed namespace."""
+
+import copy
+import json
+import random
+
+import pytest
+
+from openrlhf_oppo import tiny
+from openrlhf_oppo.cli.train_ppo_ray import parse_args
+from openrlhf_oppo.config import OPPOConfigError
+from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator, PromptGroup
+from openrlhf_oppo.plan import describe, resolve
+
+
+def _roles(gpus: int, frozen_gpus: int = None) -> list:
+    flags = []
+    for role in ("actor", "critic", "reward", "ref"):
+        count = frozen_gpus if frozen_gpus and role in ("reward", "ref") else gpus
+        flags += [f"--{role}.num_nodes", "1", f"--{role}.num_gpus_per_node", str(count)]
+    return flags
+
+
+def _model(folder, shape: str) -> str:
+    """A checkpoint folder that holds only the shape's config (the plan reads no weights)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny.qwen2_config(shape).save_pretrained(str(folder))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {shape: _model(root / shape, shape) for shape in ("qwen2.5-1.5b", "qwen2.5-3b")}
+
+
+def _run(actor: str, batch: int = 32, max_new_tokens: int = 2048) -> list:
+    """The benchmark's PPO settings (GAE critic, KL to the reference, one sample a prompt)."""
+    return [
+        "--actor.model_name_or_path", actor,
+        "--reward.model_name_or_path", actor,
+        "--critic.model_name_or_path", actor,
+        "--rollout.batch_size", str(batch),
+        "--train.batch_size", str(batch),
+        "--rollout.max_new_tokens", str(max_new_tokens),
+        "--data.max_len", str(max_new_tokens + 72),
+        "--data.max_samples", "100000",
+        "--algo.advantage.estimator", "gae",
+        "--algo.kl.init_coef", "0.01",
+        "--ds.zero_stage", "2",
+    ]  # fmt: skip
+
+
+def _split(actor, gpus: int) -> list:
+    """vLLM on half the GPUs, the models on the other half (the benchmark's split placement)."""
+    half = gpus // 2
+    return _run(actor) + _roles(half) + [
+        "--vllm.num_engines", str(half), "--vllm.gpu_memory_utilization", "0.75", "--oppo.colocate_models",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("gpus, shape", [(2, "qwen2.5-1.5b"), (4, "qwen2.5-3b")])
+def test_the_split_placement_resolves_to_the_best_measured_runs_settings(models, gpus, shape):
+    """The fastest split runs (2 GPUs at 1.5B, 4 GPUs at 3B, docs/results): the policy's log-probs from vLLM, the
+    critic's catch-up of the next batch after its fit, the frozen models beside vLLM, new prompts after the sync,
+    and Delta reaching twice the batch. Their deferral limit of 4 is what --oppo.max_lag 4 gives."""
+    plan = resolve(parse_args(_split(models[shape], gpus) + ["--oppo.enable"]))
+    assert (plan.policy_logprobs, plan.critic_catch_up, plan.frozen_scorers_on) == ("vllm", "next_batch", "generation")
+    assert plan.streamed_roles == ("policy", "critic", "reward", "reference")
+    assert (plan.top_up, plan.carry_kv, plan.weight_sync, plan.staged_sync) == (
+        "step_start",
+        "recompute",
+        "staged",
+        True,
+    )
+    assert plan.overcommit.auto and (plan.overcommit.initial, plan.overcommit.maximum) == (32, 64)
+    assert (plan.max_lag, plan.max_defer_steps) == (3, 3) and not plan.upstream_changes
+    wider = resolve(parse_args(_split(models[shape], gpus) + ["--oppo.enable", "--oppo.max_lag", "4"]))
+    assert wider.max_defer_steps == 4 and wider.overcommit.maximum == 64
+
+
+def test_the_users_options_win_over_the_plan(models):
+    base = _split(models["qwen2.5-1.5b"], 2) + ["--oppo.enable"]
+    plan = resolve(
+        parse_args(
+            base + ["--oppo.overcommit", "16", "--oppo.policy_logprobs", "policy", "--oppo.frozen_scorers_on", "models"]
+        )
+    )
+    assert not plan.overcommit.auto and plan.overcommit.initial == plan.overcommit.maximum == 16
+    assert (plan.policy_logprobs, plan.critic_catch_up, plan.frozen_scorers_on) == ("policy", "next_step", "models")
+    assert not any(choice.setting == "policy_logprobs" for choice in plan.choices)
+
+
+@pytest.mark.parametrize(
+    "lag, top_up, defer, delta_max", [(1, "step_start", 1, 32), (2, "step_end", 1, 32), (3, "step_end", 2, 32)]
+)
+def test_the_lag_bound_sets_the_deferral_limit_and_delta(models, lag, top_up, defer, delta_max):
+    """Under --train.colocate_all with vLLM awake, new prompts start before training (one version early) where the
+    bound leaves them a step to be carried: the deferral limit is the bound, less that version."""
+    argv = _run(models["qwen2.5-1.5b"]) + _roles(1) + ["--vllm.num_engines", "1", "--train.colocate_all"]
+    plan = resolve(parse_args(argv + ["--oppo.enable", "--oppo.max_lag", str(lag), "--oppo.memory_flags", "as_given"]))
+    assert (plan.top_up, plan.max_defer_steps, plan.overcommit.maximum) == (top_up, defer, delta_max)
+    assert plan.max_defer_steps + (plan.top_up == "step_end") == lag
+    assert f"max lag {lag}" in describe(plan)
+
+
+def test_a_lag_of_zero_turns_inter_step_overlap_off(models):
+    plan = resolve(parse_args(_split(models["qwen2.5-1.5b"], 2) + ["--oppo.enable", "--oppo.max_lag", "0"]))
+    assert not plan.inter_step and plan.max_lag == 0 and plan.policy_logprobs == "policy"
+    assert "no inter-step overlap" in describe(plan)
+
+
+def test_resolving_never_writes_into_the_parsed_namespace(models):
+    args = parse_args(_split(models["qwen2.5-1.5b"], 2) + ["--oppo.enable"])
+    fresh = copy.deepcopy(args)  # not resolved yet: resolve works on it from scratch
+    before = json.dumps(fresh, default=vars, sort_keys=True)
+    resolve(fresh)
+    assert json.dumps(fresh, default=vars, sort_keys=True) == before
+    assert fresh.oppo.overcommit is None and fresh.oppo.policy_logprobs is None  # what the user gave: nothing
+    assert resolve(fresh) is resolve(fresh)  # once per namespace
+
+
+def test_the_hybrid_engine_stays_where_the_plan_has_no_gpu_to_measure(models):
+    """On a machine without a GPU (and no --oppo.gpu_memory_gb), the memory plan cannot say what fits: the user's
+    sleep flags stay, and so does upstream's memory share."""
+    argv = _run(models["qwen2.5-1.5b"]) + _roles(1) + ["--vllm.num_engines", "1", "--train.colocate_all"]
+    args = parse_args(argv + ["--vllm.enable_sleep", "--ds.enable_sleep", "--oppo.enable"])
+    plan = resolve(args)
+    assert plan.vllm_sleeps and not plan.upstream_changes and args.vllm.enable_sleep and args.ds.enable_sleep
+    assert plan.streamed_roles == () and plan.state_moves == "serial"  # overlapped moves hold two models' states
+
+
+# -- the sampler keeps the bound: the deadlines ------------------------------------------------------------------
+
+
+def _sampler(batch: int, limit: int):
+    sampler = OvercommitSamplesGenerator.__new__(OvercommitSamplesGenerator)
+    sampler.args = type("Args", (), {"rollout": type("Rollout", (), {"batch_size": batch})})()
+    sampler.max_defer_steps, sampler.groups = limit, []
+    return sampler
+
+
+def test_the_due_groups_are_those_a_later_step_could_not_hold():
+    """B = 2, carried at most 2 steps: one group overdue and three due next step; this step must train the
+    overdue one and one of the three, or the next step would have three groups it must train."""
+    sampler = _sampler(batch=2, limit=2)
+    sampler.groups = [PromptGroup(f"p{i}", None, deferrals=d) for i, d in enumerate([1, 2, 1, 1, 0])]
+    assert {sampler.groups[i].prompt for i in range(5) if id(sampler.groups[i]) in sampler._due()} == {"p0", "p1"}
+    sampler.groups = [PromptGroup(f"p{i}", None, deferrals=d) for i, d in enumerate([1, 1, 0, 0])]
+    assert sampler._due() == set()  # spread over the steps: nothing has to be waited for yet
+
+
+@pytest.mark.parametrize("batch, limit, delta", [(4, 3, 8), (4, 2, 4), (3, 1, 3), (8, 4, 16)])
+def test_no_group_is_carried_past_the_limit_whatever_finishes_first(batch, limit, delta):
+    """The sampler's own take order and deadlines over 300 steps of random finishing orders: the step waits for
+    the due groups (as ``_wait`` does) and takes B; no trained group was carried more than the limit."""
+    rng = random.Random(batch * 100 + limit)
+    sampler = _sampler(batch, limit)
+    worst = 0
+    for step in range(300):
+        sampler.groups += [PromptGroup(f"{step}-{i}", None) for i in range(batch + delta - len(sampler.groups))]
+        for group in sampler.groups:  # some finish while the step runs, the long ones rarely
+            if group.experiences is None and rng.random() < 0.3:
+                group.experiences = []
+        due = sampler._due()
+        for group in sampler.groups:
+            if id(group) in due:
+                group.experiences = []  # the step waits for it
+        for group in sampler._in_take_order([g for g in sampler.groups if g.experiences is None]):
+            if sum(g.experiences is not None for g in sampler.groups) >= batch:
+                break
+            group.experiences = []  # ... and for the B-th group
+        taken = sampler._take(batch)
+        assert len(taken) == batch
+        worst = max([worst] + [g.deferrals for g in taken])
+    assert 1 <= worst <= limit  # groups were carried, never past the limit
+
+
+def test_every_option_is_documented():
+    from pathlib import Path
+
+    from openrlhf_oppo.config import ALL_OPTIONS
+
+    page = (Path(__file__).parent.parent / "docs" / "options.md").read_text()
+    assert all(f"`--oppo.{name}" in page for name in ALL_OPTIONS)
