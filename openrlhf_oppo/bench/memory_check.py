@@ -1,0 +1,176 @@
+"""The memory estimate (``openrlhf_oppo.memory``) against the peaks the benchmark measured.
+
+    python -m openrlhf_oppo.bench.memory_check docs/results [--into docs/memory.md]
+
+Every speed run in the folder (a ``results.json`` with NVML samples) is rebuilt from its recorded flags, with the
+checkpoints' shape (``--shape``) and the workload's longest sequence (prompt and response) in place of
+``--data.max_len``, since its labels fix every response's length. Each GPU's estimate is compared with the
+largest sample of that GPU, in the order the placement asks Ray for them.
+"""
+
+import argparse
+import contextlib
+import glob
+import io
+import os
+import statistics
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+from openrlhf_oppo import memory, tiny
+from openrlhf_oppo.bench import report
+
+TOLERANCE = 0.15
+# The benchmark's GPUs, as NVML counts them (MiB).
+GPU_MIB = {"NVIDIA H200": 143771, "NVIDIA H100 80GB HBM3": 81559}
+TABLE_START = "<!-- validation: python -m openrlhf_oppo.bench.memory_check docs/results --into docs/memory.md -->"
+TABLE_END = "<!-- end of validation -->"
+
+
+@dataclass(frozen=True)
+class Row:
+    run: str
+    system: str
+    gpu: int
+    label: str
+    phase: str
+    measured_gib: float
+    estimated_gib: float
+
+    @property
+    def error(self) -> float:
+        return self.estimated_gib / self.measured_gib - 1
+
+
+@lru_cache(maxsize=None)
+def _parsed(flags: tuple):
+    from openrlhf_oppo.cli.train_ppo_ray import parse_args
+
+    with contextlib.redirect_stdout(io.StringIO()):  # the plan's log line
+        return parse_args(list(flags))
+
+
+def _args(flags: list):
+    """The namespace upstream's ``train`` would get for ``flags`` (parsed once; the estimate only reads it)."""
+    return _parsed(tuple(flags))
+
+
+def gpu_gib(results: dict) -> float:
+    return GPU_MIB[results["machine"]["gpus"][0]] / 1024
+
+
+def run_estimate(results: dict, result: dict) -> memory.Estimate:
+    """The estimate for one system of a run, from its flags, the run's shape and its longest sequence."""
+    shape = memory.model_shape(tiny.qwen2_config(results["settings"]["shape"]))
+    shapes = dict(policy=shape, reference=shape, critic=shape, reward=shape)
+    longest = results["settings"]["prompt_tokens"] + results["workload"]["max_length"]
+    args = _args(result["flags"])
+    return memory.estimate(args, memory.Layout.from_args(args), gpu_gib(results), shapes=shapes, longest=longest)
+
+
+def speed_runs(results_dir: str):
+    """(folder name, results) of every speed run in ``results_dir``."""
+    for folder in sorted(glob.glob(os.path.join(results_dir, "*", ""))):
+        results = report.run_results(folder)
+        if results and "systems" in results and "task" not in results and "workload" in results:
+            yield os.path.basename(os.path.normpath(folder)), results
+
+
+def rows(results_dir: str) -> list:
+    """One row per GPU of every system of every speed run in ``results_dir`` that sampled memory."""
+    out = []
+    for run, results in speed_runs(results_dir):
+        for system, result in results["systems"].items():
+            measured = report.gpu_memory_peaks(result)
+            if not measured:
+                continue
+            estimate = run_estimate(results, result)
+            for gpu, (peak, value) in enumerate(zip(estimate.per_gpu, measured)):
+                out.append(Row(run, system, gpu, peak.label, peak.phase, value, peak.peak_gib))
+    return out
+
+
+def ran_out_of_memory(result: dict) -> bool:
+    return "out of memory" in (result.get("log_tail") or "").lower()
+
+
+def refusals(results_dir: str) -> list:
+    """(run, system, estimate) of every system that stopped with CUDA out of memory: the estimate should not fit."""
+    return [
+        (run, system, run_estimate(results, result))
+        for run, results in speed_runs(results_dir)
+        for system, result in results["systems"].items()
+        if ran_out_of_memory(result)
+    ]
+
+
+def refusal_table(refused: list) -> str:
+    lines = [
+        "Systems that stopped with CUDA out of memory, and the estimate's line for them:",
+        "",
+        "| run | system | estimate |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {run} | {system} | {estimate.line()} |" for run, system, estimate in refused]
+    return "\n".join(lines) + "\n"
+
+
+def summary(all_rows: list) -> dict:
+    errors = sorted(abs(row.error) for row in all_rows)
+    return dict(
+        gpus=len(all_rows),
+        median=statistics.median(errors),
+        max=errors[-1],
+        within=sum(error <= TOLERANCE for error in errors),
+    )
+
+
+def table(all_rows: list) -> str:
+    """The summary line, then one row per system: each GPU's measured and estimated peak, and the estimate's
+    largest error (marked past the tolerance)."""
+    s = summary(all_rows)
+    lines = [
+        f"{s['gpus']} GPUs in {len({(r.run, r.system) for r in all_rows})} systems: median error "
+        f"{100 * s['median']:.1f}%, largest {100 * s['max']:.1f}%; {s['within']} GPUs "
+        f"({100 * s['within'] / s['gpus']:.0f}%) within {100 * TOLERANCE:.0f}%.",
+        "",
+        "| run | system | measured GiB | estimated GiB | estimate's phase | largest error |",
+        "|---|---|---|---|---|---|",
+    ]
+    systems = {}
+    for row in all_rows:
+        systems.setdefault((row.run, row.system), []).append(row)
+    for (run, system), gpus in systems.items():
+        worst = max(gpus, key=lambda row: abs(row.error))
+        mark = " **" if abs(worst.error) > TOLERANCE else ""
+        lines.append(
+            f"| {run} | {system} | {' / '.join(f'{r.measured_gib:.1f}' for r in gpus)} "
+            f"| {' / '.join(f'{r.estimated_gib:.1f}' for r in gpus)} | {worst.phase} ({worst.label}) "
+            f"| {100 * worst.error:+.1f}%{mark} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def replace_table(markdown: str, table_md: str) -> str:
+    start, end = markdown.index(TABLE_START) + len(TABLE_START), markdown.index(TABLE_END)
+    return markdown[:start] + "\n\n" + table_md + "\n" + markdown[end:]
+
+
+def main(argv: Optional[list] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results_dir")
+    parser.add_argument("--into", help="replace the validation block of this markdown file")
+    options = parser.parse_args(argv)
+    table_md = table(rows(options.results_dir)) + "\n" + refusal_table(refusals(options.results_dir))
+    if options.into:
+        with open(options.into) as f:
+            markdown = f.read()
+        with open(options.into, "w") as f:
+            f.write(replace_table(markdown, table_md))
+    else:
+        print(table_md)
+
+
+if __name__ == "__main__":
+    main()
