@@ -5,7 +5,8 @@ the trainer ask it, and nothing else in the trainer process talks to those actor
 the one map from roles to scoring actors, and turns a dead or silent actor into one ``OPPOActorError``
 that says which actor and what the trainer was doing.
 
-One step, in call order (``docs/design.md`` draws it):
+One step, in call order (``docs/design.md`` draws it; ``trainer.py`` makes the calls of steps 2 to 6 in this order:
+``StepSamplesGenerator._generate_samples``, then ``OPPOTrainer.train_step``):
 
 1. ``connect`` once, after the models are loaded: scorers built, rollout actors told where to stream. With
    ``--oppo.policy_logprobs vllm`` the engines score the policy's log-probs themselves: for that role the

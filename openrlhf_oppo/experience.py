@@ -9,14 +9,15 @@ Only micro-batches with a sequence that could not be streamed go to the model th
 shaping, GAE and whitening stay upstream's.
 
 Upstream hands the rollout samples to ``make_experience_batch`` and only their micro-batches to
-``make_experience``; the streamed scores of one batch live in a ``StreamedBatch`` from the first to the
-second, and ``_dispatch_forward`` reads it.
+``make_experience``; the streamed scores of one batch live in a ``StreamedBatch``, collected before the
+first (``collect_scores``, which the trainer's step calls as a phase of its own), and ``_dispatch_forward``
+reads it.
 """
 
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import ray
 import torch
@@ -52,6 +53,10 @@ class StreamedBatch:
         for role, by_uid in collected.items():
             self.scores[role] = [self._usable(role, info, by_uid) for info in self.infos]
 
+    @property
+    def collected(self) -> bool:
+        return bool(self.collected_at)
+
     def _usable(self, role: str, info: Optional[StreamInfo], by_uid) -> Optional[ScoredSequence]:
         if info is None or role not in info.ranks:
             return None
@@ -80,10 +85,20 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
         self.tracer = tracer or Tracer(enabled=False, process="experience")
         self.metrics: Dict[str, float] = {}
         self._batch: Optional[StreamedBatch] = None  # between make_experience_batch and _dispatch_forward
-        self.on_scores_collected: Optional[Callable[[], None]] = None  # the trainer's, once the streams are in
 
-    def make_experience_batch(self, rollout_samples: List[Experience]) -> List[Experience]:
-        self._batch = StreamedBatch([getattr(sample, "stream", None) for sample in rollout_samples])
+    def collect_scores(self, rollout_samples: List[Experience]) -> StreamedBatch:
+        """Flush and collect: the queued chunks of the samples' sequences go out, every prefill call is awaited,
+        and the scores come from the rank that holds each (nothing to collect if no sample was streamed)."""
+        batch = StreamedBatch([getattr(sample, "stream", None) for sample in rollout_samples])
+        if any(info and info.ranks for info in batch.infos):
+            batch.collect(self.coordinator, self.tracer)
+        return batch
+
+    def make_experience_batch(
+        self, rollout_samples: List[Experience], streamed: Optional[StreamedBatch] = None
+    ) -> List[Experience]:
+        """``streamed``: the samples' scores from ``collect_scores``, collected here if not given."""
+        self._batch = streamed if streamed is not None else self.collect_scores(rollout_samples)
         try:
             experiences = super().make_experience_batch(rollout_samples)
             # After the scores arrived: upstream's KL, reward shaping and advantages.
@@ -104,10 +119,6 @@ class StreamingExperienceMaker(RemoteExperienceMaker):
         batch = self._batch
         if batch is not None:
             batch.micro_batches = samples_list
-            if any(info and info.ranks for info in batch.infos):
-                batch.collect(self.coordinator, self.tracer)
-                if self.on_scores_collected is not None:
-                    self.on_scores_collected()
             with self._reward_cache_emptied_only_after_a_forward(batch):
                 return super().make_experience(samples_list)
         return super().make_experience(samples_list)

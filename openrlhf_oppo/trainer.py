@@ -1,17 +1,21 @@
 """OPPO's PPO trainer: upstream's ``PPOTrainer`` with OPPO's samples generator and experience maker.
 
 Upstream builds its ``SamplesGenerator`` and ``RemoteExperienceMaker`` inside the trainer actor, so
-they are replaced here, after ``super().__init__``. The rest of the step is upstream's; this class adds
-the set-up of streaming (once the models are loaded), the weight-sync protocol for requests that
-outlive a step, the chunk-size and overcommit controllers, checkpointing of carried prompts, and the
-``oppo/*`` metrics and traces.
+they are replaced here, after ``super().__init__``. A step is read here, top to bottom: upstream's ``fit``
+asks the samples generator for the step's samples (``StepSamplesGenerator._generate_samples`` with
+inter-step overlap), then calls ``OPPOTrainer.train_step`` with them, and between steps logs, saves and
+evaluates. This class also sets up streaming (once the models are loaded), the chunk-size and overcommit
+controllers, checkpointing of carried prompts, and the ``oppo/*`` metrics and traces.
 """
 
 import os
 import time
 
 import ray
+import torch
 from openrlhf.trainer.ppo_trainer import PPOTrainer
+from openrlhf.trainer.ppo_utils.experience import balance_experiences
+from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_oppo.plan import describe
@@ -34,6 +38,46 @@ def wait_for_awake_colocated_engines(args, vllm_engines) -> None:
     puts to sleep (``create_vllm_engines``); patch 0013 waits there for awake ones too, which makes this a no-op."""
     if vllm_engines and args.train.colocate_all and not args.vllm.enable_sleep:
         ray.get([engine.__ray_ready__.remote() for engine in vllm_engines])
+
+
+class StepSamplesGenerator(OvercommitSamplesGenerator):
+    """The generation of an OPPO step with inter-step overlap, phase by phase, over the sampler's groups.
+    Upstream's ``fit`` calls it for the step's samples, then ``OPPOTrainer.train_step`` for the rest."""
+
+    def __init__(self, *args, pause_between_steps: bool, top_up_at_step_end: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Engines that share GPUs with training wait through the training phase.
+        self.pause_between_steps = pause_between_steps
+        # --oppo.top_up step_end: the next step's new prompts decode during training too.
+        self.top_up_at_step_end = top_up_at_step_end
+
+    @torch.no_grad()
+    def _generate_samples(self, **generate_kwargs):
+        # Each phase is a span of the trace's "generation" track.
+        if self.args.vllm.enable_sleep:
+            batch_vllm_engine_call(self.vllm_engines, "wake_up")
+        # Release: carried sequences stream again, their chunks held through training now meet the new weights.
+        with self.tracer.span("release", track="generation"):
+            self.coordinator.release()
+        step = self.start_step()
+        with self.tracer.span("top_up", track="generation"):
+            self.top_up(step.delta, generate_kwargs)
+        with self.tracer.span("wait", track="generation"):
+            self.wait_for_batch(step, generate_kwargs)
+        self.take_batch(step)
+        # Hold: until the next step, carried sequences only queue their chunks; the scoring GPUs are about to
+        # train, and the critic's and policy's scores would be computed with weights about to change.
+        with self.tracer.span("hold", track="generation"):
+            self.coordinator.hold()
+        if self.top_up_at_step_end:
+            with self.tracer.span("top_up", track="generation"):
+                self.top_up(self.controller.delta, generate_kwargs)
+        if self.args.vllm.enable_sleep:
+            batch_vllm_engine_call(self.vllm_engines, "sleep")
+        elif self.pause_between_steps and self.groups:
+            with self.tracer.span("pause", track="generation"):
+                self.coordinator.pause(clear_cache=False)
+        return self.finish_step(step)
 
 
 class OPPOTrainer(PPOTrainer.__ray_actor_class__):
@@ -98,8 +142,6 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             )
         # --oppo.state_moves overlap: moves started outside ppo_train, awaited at its start.
         self.critic_reload, self.policy_offload, self.policy_offload_due = [], [], False
-        if oppo.state_moves == "overlap" and "critic" in oppo.streamed_roles:
-            self.experience_maker.on_scores_collected = self._prefetch_critic_states
 
     def _make_samples_generator(self, strategy, vllm_engines):
         oppo, args = self.plan, self.args
@@ -127,7 +169,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             controller = ThroughputController(batch=args.rollout.batch_size, **bounds)
         else:
             controller = OvercommitController(**bounds)
-        return OvercommitSamplesGenerator(
+        return StepSamplesGenerator(
             **kwargs,
             controller=controller,
             max_defer_steps=oppo.max_defer_steps,
@@ -170,14 +212,97 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     # -- one step -----------------------------------------------------------------------------------
 
     def train_step(self, rollout_samples, global_step):
-        step_start = time.time()
+        """One OPPO step from its samples on: upstream's ``train_step`` (0.11.2), COPIED, with OPPO's phases marked.
+        Generation came first (``StepSamplesGenerator``: release, top-up and wait, hold, pause); here: discard,
+        flush and collect, make experience, train with the critic's hook, weight sync, engine scoring, each a span
+        of the trace's "trainer" track (flush and collect: of "make_experience")."""
         lag = self._policy_lag(rollout_samples)  # before this step's update bumps the version
-        discarded = self._discard_dropped()
-        status, global_step = super().train_step(rollout_samples, global_step)
-        self.tracer.add("make_experience", step_start, step_start + status["timing/make_experience"], track="trainer")
+        # --- OPPO change: free the scores of the streamed sequences training will not see. ---
+        with self.tracer.span("discard", track="trainer"):
+            discarded = self._discard_dropped()
+
+        # Turn raw rollouts into PPO-ready trajectories with rewards.
+        t0 = time.time()
+        with self.tracer.span("make_experience", track="trainer"):
+            if self.coordinator.roles:
+                # --- OPPO change: flush and collect the streamed scores; the critic then has nothing more to
+                # score this step, so its states may start loading (--oppo.state_moves overlap). ---
+                streamed = self.experience_maker.collect_scores(rollout_samples)
+                oppo = self.plan
+                if streamed.collected and oppo.state_moves == "overlap" and "critic" in oppo.streamed_roles:
+                    self._prefetch_critic_states()
+                experiences = self.experience_maker.make_experience_batch(rollout_samples, streamed)
+            else:
+                experiences = self.experience_maker.make_experience_batch(rollout_samples)
+        make_experience_time = time.time() - t0
+
+        # Peek at the first decoded sample for quick sanity check.
+        sample0 = [
+            self.tokenizer.decode(experiences[0].sequences[0].unsqueeze(0), skip_special_tokens=True)[0],
+            experiences[0].info["reward"][0].item(),
+        ]
+        logger.info(f"Sample: {sample0}")
+
+        # Compute ground-truth rollout stats BEFORE dynamic batch splitting
+        rollout_stats = self._compute_rollout_stats(experiences)
+
+        # Balance experiences across DP ranks if needed.
+        if self.args.train.dynamic_batch_enable:
+            experiences = balance_experiences(experiences, self.args)
+
+        # Push experiences to actor (and critic) shards before PPO.
+        refs = self.actor_model_group.async_run_method_batch(method_name="append", experience=experiences)
+        if self.critic_model_group is not None:
+            refs.extend(self.critic_model_group.async_run_method_batch(method_name="append", experience=experiences))
+        ray.get(refs)
+
+        # Perform PPO optimization for actor/critic and gather metrics.
+        t0 = time.time()
+        # --- OPPO change: --oppo.colocated_decode during_training: the experiences are made, so the carried
+        # requests, which generation paused when the step's groups were done, decode beside training. ---
+        paused_s = None
+        if self.plan.resumes_for_training and self.samples_generator.groups:
+            with self.tracer.span("unpause", track="trainer"):
+                paused_s = self.coordinator.unpause()
+        with self.tracer.span("ppo_train", track="trainer"), phase("training"):
+            status = self.ppo_train(global_step)  # the critic's hook inside: _critic_catch_up
+        if paused_s is not None:
+            status["oppo/decoding_paused_s"] = paused_s
+        ppo_train_time = time.time() - t0
+
+        # Sync weights to vLLM.
+        t0 = time.time()
+        if self.vllm_engines is not None:
+            self.broadcast_to_vllm()
+            # --- OPPO change: the engines hold the new weights, so the policy's log-probs they score need not
+            # wait for the next step's start, which comes after this step's metrics, and those can wait on the
+            # critic's catch-up. Once the next step's groups are all done, only theirs. ---
+            if self.coordinator.scored_by_engines:
+                with self.tracer.span("engine_scoring", track="trainer"):
+                    next_batch = self.samples_generator.next_batch_streams()
+                    self.coordinator.release_engine_scoring(next_batch)
+                self.weight_sync_metrics["oppo/engine_scoring_batch_only"] = float(next_batch is not None)
+        broadcast_time = time.time() - t0
+
+        # Refresh KL controller with the latest measurement.
+        if "kl" in status:
+            # TODO: KL controller must be FixedKLController; AdaptiveKLController is incompatible here.
+            self.kl_ctl.update(status["kl"], self.args.rollout.batch_size * self.args.rollout.n_samples_per_prompt)
+
+        # Per-phase timing breakdown
+        status["timing/make_experience"] = make_experience_time
+        status["timing/ppo_train"] = ppo_train_time
+        status["timing/broadcast"] = broadcast_time
+
+        # Merge rollout stats (ground-truth, pre-dynamic-batch)
+        status.update(rollout_stats)
+
+        status["generated_samples"] = sample0
+        # --- OPPO change: the oppo/* metrics, and the step's trace. ---
         status.update(lag)
         status.update(discarded)
         status.update(self._oppo_metrics(status))
+        global_step += 1
         if self.tracer.enabled:
             events = self.tracer.drain() + self.coordinator.drain_traces()
             write_trace(os.path.join(self.plan.trace_dir, f"step_{global_step:05d}.json"), events)
@@ -217,7 +342,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     def _oppo_metrics(self, status) -> dict:
         metrics = dict(getattr(self.experience_maker, "metrics", {}))
         metrics.update(getattr(self.samples_generator, "metrics", {}))
-        metrics.update(self.weight_sync_metrics)  # this step's sync (inside upstream's train_step)
+        metrics.update(self.weight_sync_metrics)  # this step's sync
         if isinstance(self.samples_generator, OvercommitSamplesGenerator):
             self.samples_generator.record_reward(status["rollout/reward_mean"])
         if self.coordinator.roles:
@@ -248,38 +373,30 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         return metrics
 
     def ppo_train(self, global_steps):
-        paused_s = None
-        if self.plan.resumes_for_training and self.samples_generator.groups:
-            # --oppo.colocated_decode during_training: the experiences are made, so the carried requests, which
-            # the sampler paused when the step's groups were done, decode beside training.
-            paused_s = self.coordinator.unpause()
-        with self.tracer.span("ppo_train", track="trainer"), phase("training"):
+        """Upstream's ``ppo_train`` (0.11.2). Its branch without sleep mode is COPIED in the shape patch 0009 gives
+        it: the critic's results first, then its hook (``--oppo.critic_catch_up after_fit`` or ``next_batch``: its
+        held chunks go out while the policy may still train). Its sleep-mode branch is upstream's, or with
+        ``--oppo.state_moves overlap`` (which needs sleep mode) ``_train_overlapping_state_moves``."""
+        if self.args.ds.enable_sleep:
+            # --- OPPO change: the states' moves beside the other model's fit. ---
             if self.plan.state_moves == "overlap" and self.critic_model_group is not None:
-                status = self._train_overlapping_state_moves(global_steps)  # --oppo.critic_catch_up too
-            elif self.plan.critic_catches_up_after_fit and self.critic_model_group is not None:
-                status = self._train_releasing_the_critic(global_steps)
-            else:
-                status = super().ppo_train(global_steps)
-        if paused_s is not None:
-            status["oppo/decoding_paused_s"] = paused_s
-        return status
+                return self._train_overlapping_state_moves(global_steps)  # --oppo.critic_catch_up too
+            return super().ppo_train(global_steps)
 
-    def _train_releasing_the_critic(self, global_steps) -> dict:
-        """``--oppo.critic_catch_up after_fit`` or ``next_batch``: upstream's ``ppo_train`` (0.11.2, its branch
-        without sleep mode; config.validate refuses --ds.enable_sleep here), COPIED, with the critic's held chunks
-        sent as soon as the critic's own fit ends. ``patches/openrlhf/0009`` adds the hook that would retire this
-        copy."""
         status: dict = {}
+        run_critic = self.critic_model_group is not None
         run_actor = global_steps > self.args.critic.freezing_steps and self.actor_model_group is not None
-        critic_refs = self.critic_model_group.async_run_method(method_name="fit")
-        actor_refs = []
+        critic_refs, actor_refs = [], []
+        if run_critic:
+            critic_refs = self.critic_model_group.async_run_method(method_name="fit")
         if run_actor:
             actor_refs = self.actor_model_group.async_run_method(method_name="fit", kl_ctl=self.kl_ctl.value)
         # --- OPPO change: the critic's results first (upstream: one ray.get of both, in this order), then its
-        # chunks go out while the policy may still train. ---
+        # hook while the policy may still train. ---
         for result in ray.get(critic_refs):
             status.update(result)
-        status.update(self._critic_catch_up())
+        if run_critic and self.plan.critic_catches_up_after_fit:
+            status.update(self._critic_catch_up())
         for result in ray.get(actor_refs):
             status.update(result)
         return status
@@ -301,8 +418,8 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         With the critic streaming, its states start loading once its scores are in (``_prefetch_critic_states``),
         and with ``--oppo.critic_catch_up after_fit`` its held chunks go out after its fit; with the engines awake,
         the policy's states go back after the weight sync (``_offload_policy_states``).
-        Upstream runs reload, fit, offload for one model, then for the other: on one GPU the moves took 2.2-2.9 s
-        of each 9-16 s training phase. ``patches/openrlhf/0010`` adds the hook that would retire this copy."""
+        Upstream runs reload, fit, offload for one model, then for the other. ``patches/openrlhf/0010`` adds the
+        hook that would retire this copy."""
         status: dict = {}
         waited = 0.0
 
@@ -344,7 +461,8 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
 
     def broadcast_to_vllm(self) -> None:
         """Upstream's weight sync, in buckets (``weight_sync.py``); with requests in flight the engines pause
-        around it, or only to load the new weights that they received while decoding (``--oppo.weight_sync``)."""
+        around it, or only to load the new weights that they received while decoding (``--oppo.weight_sync``).
+        Upstream's ``fit`` calls it on resume too."""
         oppo = self.plan
         self.policy_version += 1
         with self.tracer.span("weight_sync", track="trainer"), phase("syncing the weights to vLLM"):
@@ -356,13 +474,6 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                 weight_version=self.policy_version,
             )
         self._offload_policy_states()
-        # The engines hold the new weights now: the policy's log-probs they score need not wait for the next
-        # step's start, which comes after this step's metrics, and those can wait on the critic's catch-up.
-        # Once the next step's groups are all done, only theirs: the step waits for those alone.
-        if self.coordinator.scored_by_engines:
-            next_batch = self.samples_generator.next_batch_streams()
-            self.coordinator.release_engine_scoring(next_batch)
-            self.weight_sync_metrics["oppo/engine_scoring_batch_only"] = float(next_batch is not None)
 
     def _prefetch_critic_states(self) -> None:
         """``--oppo.state_moves overlap``: the step's critic scores are in (the critic has nothing more to score

@@ -17,13 +17,12 @@ iterated again, so the carried groups of the epoch's end must drain first, with 
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import ray
 import torch
 from openrlhf.trainer.ppo_utils.samples_generator import _collect_prompt_batch
-from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 from openrlhf.utils.logging_utils import init_logger
 from tqdm import tqdm
 
@@ -46,92 +45,86 @@ class PromptGroup:
     streams: Optional[list] = None  # its sequences' streams, read once from its responses (``_streams``)
 
 
+@dataclass
+class StepRecord:
+    """One step's generation, from its start to the groups it takes (``start_step`` to ``finish_step``)."""
+
+    started: float
+    delta: int  # the Delta this step runs with
+    done_at_start: int  # carried groups already done (those that finished during training included)
+    stats: dict = field(default_factory=lambda: dict(completed=0, accepted=0))
+    bth_done_at: float = 0.0  # s after ``started`` at which the B-th group was done
+    overdue_wait: float = 0.0  # the wait past the B-th group for overdue ones
+    taken: List[PromptGroup] = field(default_factory=list)
+    carried: int = 0  # groups left in the system when the step took its own
+    carried_in_flight: int = 0
+
+
 class OvercommitSamplesGenerator(OPPOSamplesGenerator):
-    def __init__(
-        self,
-        *args,
-        controller: OvercommitController,
-        max_defer_steps: int,
-        pause_between_steps: bool,
-        top_up_at_step_end: bool = False,
-        **kwargs,
-    ):
+    """The prompt groups of inter-step overlap: which are in flight, done or carried, which a step takes, and
+    the checkpoint of the carried ones. A step's generation, which also holds and releases the carried chunks
+    and pauses the engines, is ``trainer.StepSamplesGenerator``'s: this class makes no call to the engines but
+    the groups' own."""
+
+    def __init__(self, *args, controller: OvercommitController, max_defer_steps: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.controller = controller
         self.max_defer_steps = max_defer_steps
-        # Engines that share GPUs with training wait through the training phase.
-        self.pause_between_steps = pause_between_steps
-        # --oppo.top_up step_end: the next step's new prompts decode during training too.
-        self.top_up_at_step_end = top_up_at_step_end
         self.groups: List[PromptGroup] = []  # carried: in flight or done and waiting, in dispatch order
         self.restored: List[PromptGroup] = []  # carried groups of a checkpoint, dispatched first
         self._iter = None
         self._iter_done = False  # the dataloader raised StopIteration in this epoch
         self.metrics = {}
 
+    def _generate_samples(self, **generate_kwargs):
+        raise NotImplementedError("a step's generation runs in trainer.StepSamplesGenerator, over these groups")
+
     # -- one step ---------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def _generate_samples(self, **generate_kwargs):
+    def start_step(self) -> StepRecord:
         if self._iter is None and not self._iter_done:
             self._iter = iter(self.prompts_dataloader)
-        if self.args.vllm.enable_sleep:
-            batch_vllm_engine_call(self.vllm_engines, "wake_up")
-        # Carried sequences stream again: their chunks held through training now meet the new weights.
-        # (The generation phase's parts are spans of the trace's "generation" track: each is a call to the
-        # rollout actors, or the wait for the B-th group.)
-        with self.tracer.span("release", track="generation"):
-            self.coordinator.release()
+        return StepRecord(started=time.time(), delta=self.controller.delta, done_at_start=self._done_now())
 
-        started = time.time()
-        batch = self.args.rollout.batch_size
-        stats = dict(completed=0, accepted=0)
-        done_at_start = self._done_now()
-        delta = self.controller.delta  # the Delta this step runs with
-        with self.tracer.span("top_up", track="generation"):
-            self._top_up(batch + delta, generate_kwargs)
-        with self.tracer.span("wait", track="generation"):
-            bth_done_at = self._wait(batch, generate_kwargs, started, stats)
+    def top_up(self, delta: int, generate_kwargs) -> None:
+        """Dispatch new (or restored) prompts until ``B + delta`` groups are in the system."""
+        self._top_up(self.args.rollout.batch_size + delta, generate_kwargs)
+
+    def wait_for_batch(self, step: StepRecord, generate_kwargs) -> None:
+        step.bth_done_at = self._wait(self.args.rollout.batch_size, generate_kwargs, step.started, step.stats)
         # Past the B-th group a step waits only for overdue groups: the price of --oppo.max_defer_steps.
-        overdue_wait = time.time() - started - bth_done_at
+        step.overdue_wait = time.time() - step.started - step.bth_done_at
         # The throughput rule moves Delta on this step's waits (the reward-slope rule on the reward, later).
-        self.controller.record_generation(bth_done_at, done_at_start, overdue_wait)
-        taken = self._take(batch)
-        carried = len(self.groups)
-        carried_in_flight = sum(g.experiences is None for g in self.groups)
+        self.controller.record_generation(step.bth_done_at, step.done_at_start, step.overdue_wait)
 
-        # Until the next step, carried sequences only queue their chunks: the scoring GPUs are about to
-        # train, and the critic's and policy's scores would be computed with weights about to change.
-        with self.tracer.span("hold", track="generation"):
-            self.coordinator.hold()
-        if self.top_up_at_step_end:
-            with self.tracer.span("top_up", track="generation"):
-                self._top_up(batch + self.controller.delta, generate_kwargs)
-        if self.args.vllm.enable_sleep:
-            batch_vllm_engine_call(self.vllm_engines, "sleep")
-        elif self.pause_between_steps and self.groups:
-            self.coordinator.pause(clear_cache=False)
+    def take_batch(self, step: StepRecord) -> None:
+        step.taken = self._take(self.args.rollout.batch_size)
+        step.carried = len(self.groups)
+        step.carried_in_flight = sum(g.experiences is None for g in self.groups)
 
+    def finish_step(self, step: StepRecord):
+        """The step's samples and its ``oppo/*`` metrics, as upstream's ``generate_samples`` returns them."""
+        taken = step.taken
         experiences = []
         for group in taken:
             for experience in group.experiences:
                 experience.info["deferred_steps"] = torch.tensor([float(group.deferrals)])
             experiences.extend(group.experiences)
         self.metrics = {
-            "oppo/overcommit": float(delta),
-            "oppo/groups_done_at_start": float(done_at_start),
-            "oppo/carried_groups": float(carried),
-            "oppo/carried_in_flight": float(carried_in_flight),
-            "oppo/topped_up_at_step_end": float(len(self.groups) - carried),
+            "oppo/overcommit": float(step.delta),
+            "oppo/groups_done_at_start": float(step.done_at_start),
+            "oppo/carried_groups": float(step.carried),
+            "oppo/carried_in_flight": float(step.carried_in_flight),
+            "oppo/topped_up_at_step_end": float(len(self.groups) - step.carried),
             "oppo/deferred_groups_trained": float(sum(g.deferrals > 0 for g in taken)),
             "oppo/max_deferrals_trained": float(max((g.deferrals for g in taken), default=0)),
-            "oppo/bth_group_done_s": bth_done_at,
-            "oppo/overdue_wait_s": overdue_wait,
-            "oppo/generation_wall_s": time.time() - started,
+            "oppo/bth_group_done_s": step.bth_done_at,
+            "oppo/overdue_wait_s": step.overdue_wait,
+            "oppo/generation_wall_s": time.time() - step.started,
         }
         filter_pass_rate = None
-        if self.args.algo.dynamic_filtering_enable and stats["completed"]:
-            filter_pass_rate = stats["accepted"] / stats["completed"] * 100
+        if self.args.algo.dynamic_filtering_enable and step.stats["completed"]:
+            filter_pass_rate = step.stats["accepted"] / step.stats["completed"] * 100
 
         exhausted = self._iter_done and not self.groups and not self.restored
         if exhausted:

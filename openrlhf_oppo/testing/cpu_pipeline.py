@@ -28,11 +28,11 @@ from openrlhf_oppo.config import OPTIONS
 from openrlhf_oppo.coordinator import StreamCoordinator
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController
-from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
 from openrlhf_oppo.protocol import ROLES, ScorerSettings, StreamSettings
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming import actors
 from openrlhf_oppo.streaming.rollout import CONCURRENCY_GROUPS, OPPORolloutActor
+from openrlhf_oppo.trainer import StepSamplesGenerator
 from openrlhf_oppo.weight_sync import OPPOWorkerWrap
 
 
@@ -399,7 +399,8 @@ class CPUPipeline:
         if kind == "oppo":
             return OPPOSamplesGenerator(**kwargs)
         controller = OvercommitController(initial=overcommit.get("delta", 1), auto=False)
-        return OvercommitSamplesGenerator(
+        # OPPOTrainer's own, steps' generation included (releasing, holding, pausing as its flags say).
+        return StepSamplesGenerator(
             **kwargs,
             controller=controller,
             max_defer_steps=overcommit.get("max_defer_steps", 2),
