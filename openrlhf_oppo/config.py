@@ -357,8 +357,8 @@ def fill_defaults(oppo) -> None:
 def warn_of_the_first_tokens_log_prob(args) -> None:
     """OpenRLHF samples with vLLM's min_tokens=1, which masks the end of text at the first token; with the
     importance correction on, vLLM's log-prob of that token (pi_rollout) then leaves out the end of text's
-    probability, and a response that ends there is never sampled, so never corrected (docs/RESULTS.md,
-    learning-1gpu-small-addition-constant-lr5e-5). Patch 0015 makes it ``--rollout.min_new_tokens``."""
+    probability, and a response that ends there is never sampled, so never corrected. Patch 0015 makes it
+    ``--rollout.min_new_tokens``."""
     if args.algo.advantage.is_correction_level == "off" or getattr(args.rollout, "min_new_tokens", 1) < 1:
         return
     fix = "--rollout.min_new_tokens 0" if hasattr(args.rollout, "min_new_tokens") else "patches/openrlhf/0015"
@@ -521,9 +521,8 @@ def check_oppo(args, given) -> None:
 
 def streams(args) -> bool:
     """'auto' streams unless the engines sleep on the scoring models' GPUs (the hybrid engine): their share of
-    the GPU is set for vLLM alone there, and the scorers' KV caches would have to fit beside it. Where vLLM stays
-    awake beside the models, streaming shortened the step in both paired runs on GPU (docs/RESULTS.md,
-    colocated-1gpu-1.5b-*-awake-inter-and-both)."""
+    the GPU is set for vLLM alone there, and the scorers' KV caches would have to fit beside it (the plan turns it
+    on there where its memory plan says they fit)."""
     hybrid_engine = args.train.colocate_all and args.vllm.enable_sleep
     return args.oppo.intra_step == "on" or (args.oppo.intra_step == "auto" and not hybrid_engine)
 

@@ -156,27 +156,23 @@ class Layout:
 
     @classmethod
     def from_args(cls, args) -> "Layout":
-        """The layout the flags ask for (OPPO's parts as ``config.validate`` resolved them)."""
-        from openrlhf_oppo.config import engines_decode_through_sync
+        """The layout of the run's plan (``plan.resolve``), under the OpenRLHF flags it applied."""
+        from openrlhf_oppo.plan import resolve
 
-        oppo = getattr(args, "oppo", None)
-        enabled = bool(oppo is not None and oppo.enable)
-        streamed = tuple(oppo.streamed_roles) if enabled else ()
+        plan = resolve(args)
         awake = not args.vllm.enable_sleep
+        streamed = plan.streamed_roles
         return cls(
             vllm_awake=awake,
             ds_sleep=args.ds.enable_sleep,
-            state_moves=oppo.state_moves if enabled else "serial",
+            state_moves=plan.state_moves if plan.enabled else "serial",
             vllm_share=args.vllm.gpu_memory_utilization,
             streamed_roles=streamed,
-            cache_budget_gb=oppo.cache_budget_gb if streamed else 0.0,
+            cache_budget_gb=plan.cache_budget_gb if streamed else 0.0,
             frozen_beside_vllm=bool(getattr(args.train, "frozen_models_with_vllm", False))
-            or (oppo is not None and getattr(oppo, "frozen_scorers_on", None) == "generation"),
-            colocated_decode=enabled and args.train.colocate_all and awake and oppo.colocated_decode != "pause",
-            staged_weights=enabled
-            and oppo.inter_step
-            and engines_decode_through_sync(args)
-            and oppo.weight_sync == "staged",
+            or plan.frozen_scorers_on == "generation",
+            colocated_decode=plan.enabled and args.train.colocate_all and awake and plan.colocated_decode != "pause",
+            staged_weights=plan.staged_sync,
         )
 
     def upstream(self) -> "Layout":
@@ -218,6 +214,14 @@ class Estimate:
             f"({top}): change {self.flag}"
         )
         return f"memory: {'fits, ' if self.fits else 'does not fit: '}{head}"
+
+
+def _option(args, name: str):
+    """An ``--oppo.*`` option as the run has it: given, or its default (the parsed namespace keeps None)."""
+    from openrlhf_oppo.config import ALL_OPTIONS
+
+    value = getattr(args.oppo, name, None)
+    return ALL_OPTIONS[name][1] if value is None else value
 
 
 ROLE_RANKS = {"policy": "actor", "critic": "critic", "reward": "reward", "reference": "ref"}
@@ -361,9 +365,9 @@ class _Sizes:
     def prefill(self, role: str) -> float:
         """One streamed prefill pass: ``--oppo.max_prefill_tokens`` new tokens over the gathered cache, and the
         float32 logit rows of the log-prob roles."""
-        shape, oppo = self.shapes[role], self.args.oppo
-        work = oppo.max_prefill_tokens * (shape.forward_bytes_per_token + shape.kv_bytes_per_token)
-        work += oppo.max_prefill_cached_tokens * shape.kv_bytes_per_token
+        shape = self.shapes[role]
+        work = _option(self.args, "max_prefill_tokens") * (shape.forward_bytes_per_token + shape.kv_bytes_per_token)
+        work += _option(self.args, "max_prefill_cached_tokens") * shape.kv_bytes_per_token
         if role in LOG_PROBS:
             work += SCORER_LOGIT_ROWS * shape.vocab_size * 10  # bf16 and float32 rows, float32 log-softmax
         return PREFILL_SLACK * work + self.gathered(role)

@@ -425,3 +425,11 @@ def test_state_moves_wait_only_for_runs_that_overlap_the_moves(tmp_path):
     rows = {line.split(" | ")[0][2:]: line for line in lines[header + 2 : header + 2 + len(run["systems"])]}
     assert rows["oppo-both-overlap"].endswith("| 1.25 |") and rows["oppo-both"].endswith("| - |")
     assert rows["oppo-both-overlap-one-word"].endswith("| 1.25 |")
+
+
+def test_the_readme_results_table_is_what_the_raw_results_give():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- headline: python -m openrlhf_oppo.bench.report docs/results --headline -->\n")
+    table = readme[readme.index("\n", start) + 1 : readme.index("\n<!-- /headline -->")]
+    assert table == report.headline(str(RESULTS))
+    assert table.count("\n") - 1 <= 6  # at most six rows

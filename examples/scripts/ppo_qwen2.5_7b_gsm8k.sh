@@ -5,7 +5,7 @@
 # not measured yet (docs/RESULTS.md). OPPO by default; upstream twin: ppo_qwen2.5_7b_gsm8k_upstream.sh.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-OPPO_FLAGS="--oppo.enable --oppo.overcommit auto --oppo.chunk_size auto --oppo.trace_dir ${SAVE:-ckpt}/trace"
+OPPO_FLAGS="--oppo.enable"  # the plan picks the rest; add --oppo.trace_dir DIR for a trace of every step
 [ "${SYSTEM:-oppo}" = upstream ] && OPPO_FLAGS=""
 python3 -m openrlhf_oppo.cli.train_ppo_ray \
   --actor.num_nodes 1 --actor.num_gpus_per_node 4 --critic.num_nodes 1 --critic.num_gpus_per_node 4 \

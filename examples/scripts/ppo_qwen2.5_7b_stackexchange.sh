@@ -7,7 +7,7 @@
 # its own; OpenRLHF's train_rm makes one).
 set -euo pipefail
 : "${REWARD_MODEL:?set REWARD_MODEL to a 7B reward model trained on Stack-Exchange-Paired}"
-OPPO_FLAGS="--oppo.enable --oppo.overcommit auto --oppo.chunk_size auto --oppo.trace_dir ${SAVE:-ckpt}/trace"
+OPPO_FLAGS="--oppo.enable"  # the plan picks the rest; add --oppo.trace_dir DIR for a trace of every step
 [ "${SYSTEM:-oppo}" = upstream ] && OPPO_FLAGS=""
 python3 -m openrlhf_oppo.cli.train_ppo_ray \
   --actor.num_nodes 1 --actor.num_gpus_per_node 4 --critic.num_nodes 1 --critic.num_gpus_per_node 4 \

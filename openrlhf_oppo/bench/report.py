@@ -759,6 +759,54 @@ def summary(folders: list) -> str:
     return "\n".join(lines)
 
 
+# The README's results: (run folder, OPPO system, the flags it was given besides OpenRLHF's own).
+HEADLINE = (
+    ("colocated-1gpu-1.5b-lognormal-mean700-patched-flag-swap", "oppo", "`--oppo.enable`"),
+    ("colocated-1gpu-1.5b-bimodal-patched-flag-swap", "oppo", "`--oppo.enable`"),
+    (
+        "split-2gpu-1.5b-lognormal-patched-policy-logprobs-vllm-delta64-defer4-critic-catch-up-next-batch",
+        "oppo-both-delta64-defer4-policy-logprobs-vllm-critic-catch-up-next-batch",
+        "`oppo-both` `--oppo.overcommit 64 --oppo.max_defer_steps 4 --oppo.policy_logprobs vllm "
+        "--oppo.critic_catch_up next_batch`",
+    ),
+    (
+        "split-2gpu-1.5b-bimodal-patched-policy-logprobs-vllm-delta64-defer4-critic-catch-up-next-batch",
+        "oppo-both-delta64-defer4-policy-logprobs-vllm-critic-catch-up-next-batch",
+        "the same",
+    ),
+    (
+        "split-4gpu-3b-lognormal-patched-8-steps",
+        "oppo-both-delta64-policy-logprobs-vllm",
+        "`oppo-both` `--oppo.overcommit 64 --oppo.policy_logprobs vllm`",
+    ),
+    (
+        "split-4gpu-7b-lognormal-patched-zero3-offload",
+        "oppo-both",
+        "`oppo-both` `--oppo.overcommit 32 --oppo.policy_logprobs vllm`",
+    ),
+)
+
+
+def headline(results_dir: str) -> str:
+    """The README's results table, from the raw results of the runs in ``HEADLINE``."""
+    lines = [
+        "| run | card | shape | workload | OPPO given | step (s) | vs upstream sync | vs upstream async |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, system, flags in HEADLINE:
+        results = run_results(os.path.join(results_dir, name))
+        workload, base = results["workload"], _baselines(results["systems"])
+        summary_ = results["systems"][system]["summary"]
+        ratios = [f"{base[kind]['step_mean_s'] / summary_['step_mean_s']:.2f}x" if base[kind] else "-"
+                  for kind in ("sync", "async")]  # fmt: skip
+        lines.append(
+            f"| [{results['settings']['placement']}](docs/results/{name}/) | {_card(results)} "
+            f"| {results['settings']['shape']} | {workload['distribution']}, mean {workload['mean_length']:.0f}, "
+            f"max {workload['max_length']} | {flags} | {summary_['step_mean_s']:.2f} | {ratios[0]} | {ratios[1]} |"
+        )
+    return "\n".join(lines)
+
+
 def _newest_first(runs: list) -> list:
     """Runs against the patched upstream first, then the others, newest first; runs in which every system failed
     come last."""
@@ -977,8 +1025,11 @@ def main():
     parser.add_argument("--pack", action="store_true", help="store each run folder given as docs/results keeps it")
     parser.add_argument("--section", action="store_true", help="print each run folder's README.md")
     parser.add_argument("--summary", action="store_true", help="print the results page of the run folders given")
+    parser.add_argument("--headline", action="store_true", help="print the README's results table (docs/results)")
     args = parser.parse_args()
-    if args.summary:
+    if args.headline:
+        print(headline(args.paths[0]))
+    elif args.summary:
         sys.stdout.write(summary(args.paths))
     elif args.section:
         for folder in args.paths:
