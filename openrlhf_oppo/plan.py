@@ -117,8 +117,11 @@ class Plan:
 
     @property
     def staged_sync(self) -> bool:
-        return self.sync_bucket_mb > 0 and self.inter_step and self.engines_decode_through_sync and (
-            self.weight_sync == "staged"
+        return (
+            self.sync_bucket_mb > 0
+            and self.inter_step
+            and self.engines_decode_through_sync
+            and (self.weight_sync == "staged")
         )
 
     @property
@@ -347,7 +350,8 @@ def _estimate(work, total_gib):
 def _plan_colocated_memory(work, total, given, choices, changes) -> None:
     """Under ``--train.colocate_all``: vLLM awake beside the models where it fits, with the DeepSpeed states on the
     GPU where they fit too, else (where the user's flags move them anyway) moved while the other model trains; a
-    smaller scorer cache budget (unless given) before a slower layout. Where nothing awake fits, the user's flags stay, streaming where its caches fit."""
+    smaller scorer cache budget (unless given) before a slower layout. Where nothing awake fits, the user's flags stay, streaming where its caches fit.
+    """
     oppo = work.oppo
     user = (work.vllm.enable_sleep, work.ds.enable_sleep, work.vllm.gpu_memory_utilization)
     share = _vllm_share_needed(work, total)
@@ -485,12 +489,16 @@ def describe(plan: Plan) -> str:
     if not plan.enabled:
         return "OPPO off" + (" (models colocated, vLLM apart)" if plan.colocate_models else "")
     parts = [
-        f"intra-step streaming to {', '.join(plan.streamed_roles)} ({plan.cache_budget_gb:g} GiB of cache each)"
-        if plan.streamed_roles
-        else "no streaming"
+        (
+            f"intra-step streaming to {', '.join(plan.streamed_roles)} ({plan.cache_budget_gb:g} GiB of cache each)"
+            if plan.streamed_roles
+            else "no streaming"
+        )
     ]
     if plan.colocate_models:
-        parts.append(f"reward and reference on the {'engines' if plan.frozen_scorers_on == 'generation' else 'models'}' GPUs")
+        parts.append(
+            f"reward and reference on the {'engines' if plan.frozen_scorers_on == 'generation' else 'models'}' GPUs"
+        )
     if plan.inter_step:
         delta = plan.overcommit
         span = f"{delta.initial}..{delta.maximum}" if delta.auto else str(delta.initial)

@@ -84,7 +84,8 @@ def test_the_users_options_win_over_the_plan(models):
     base = _split(models["qwen2.5-1.5b"], 2) + ["--oppo.enable"]
     plan = resolve(
         parse_args(
-            base + ["--oppo.overcommit", "16", "--oppo.policy_logprobs", "policy", "--oppo.frozen_scorers_on", "models"]
+            base
+            + ["--oppo.overcommit", "16", "--oppo.policy_logprobs", "policy", "--oppo.frozen_scorers_on", "models"]
         )
     )
     assert not plan.overcommit.auto and plan.overcommit.initial == plan.overcommit.maximum == 16
@@ -184,3 +185,54 @@ def test_every_option_is_documented():
 
     page = (Path(__file__).parent.parent / "docs" / "options.md").read_text()
     assert all(f"`--oppo.{name}" in page for name in ALL_OPTIONS)
+
+
+def _colocated(actor, max_new_tokens, *flags) -> list:
+    """One GPU, everything on it (the benchmark's colocated placement), vLLM at 0.45."""
+    argv = _run(actor, max_new_tokens=max_new_tokens) + _roles(1) + ["--actor.gradient_checkpointing_enable"]
+    argv += ["--rollout.micro_batch_size", "8", "--train.micro_batch_size", "2", "--vllm.num_engines", "1"]
+    return argv + ["--train.colocate_all", "--vllm.gpu_memory_utilization", "0.45", *flags]
+
+
+H200 = ["--oppo.gpu_memory_gb", "140.4"]
+
+
+def test_the_hybrid_engine_wakes_up_where_the_memory_plan_fits_it(models):
+    """The repository's measured best on one H200 (1.5B, responses up to 2048 tokens): vLLM awake with a small
+    share and the DeepSpeed states on the GPU, carried requests and new prompts decoding beside training."""
+    hybrid = ["--vllm.enable_sleep", "--ds.enable_sleep", "--oppo.enable"] + H200
+    args = parse_args(_colocated(models["qwen2.5-1.5b"], 2048, *hybrid))
+    plan = resolve(args)
+    assert not plan.vllm_sleeps and not args.vllm.enable_sleep and not args.ds.enable_sleep  # applied
+    assert args.vllm.gpu_memory_utilization == 0.1
+    assert {c.flag for c in plan.upstream_changes} == {
+        "--vllm.enable_sleep",
+        "--ds.enable_sleep",
+        "--vllm.gpu_memory_utilization",
+    }
+    assert (plan.colocated_decode, plan.top_up, plan.max_defer_steps) == ("during_training", "step_end", 2)
+    assert plan.streamed_roles == ("critic", "reward", "reference") and plan.memory.fits
+    assert "changed --vllm.enable_sleep on -> off" in describe(plan)
+
+
+def test_states_the_user_keeps_on_the_gpu_stay_there(models):
+    """Moving them off was slower than upstream's own layout in every paired run on one H200: where vLLM awake does
+    not fit beside them (responses up to 4096 tokens), the plan keeps the user's layout; the scorers' caches do not
+    fit beside vLLM's 0.45 either, so nothing streams, and at 2048 tokens they do."""
+    args = parse_args(_colocated(models["qwen2.5-1.5b"], 4096, "--vllm.enable_sleep", "--oppo.enable", *H200))
+    plan = resolve(args)
+    assert plan.vllm_sleeps and not args.ds.enable_sleep and not plan.upstream_changes
+    assert plan.state_moves == "serial" and plan.streamed_roles == ()
+    shorter = resolve(
+        parse_args(_colocated(models["qwen2.5-1.5b"], 1024, "--vllm.enable_sleep", "--oppo.enable", *H200))
+    )
+    assert not shorter.vllm_sleeps  # and at 1024 tokens vLLM awake fits beside the states
+
+
+def test_a_run_that_would_not_fit_is_refused_before_ray_starts(models):
+    with pytest.raises(OPPOConfigError, match=r"does not fit the GPU's 40 GiB: .*change --"):
+        parse_args(
+            _colocated(
+                models["qwen2.5-3b"], 4096, "--vllm.enable_sleep", "--oppo.enable", "--oppo.gpu_memory_gb", "40"
+            )
+        )
