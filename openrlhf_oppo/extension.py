@@ -28,7 +28,7 @@ upstream's ``COMPONENTS`` instead of swapping globals.
 
 import sys
 
-from openrlhf_oppo import config
+from openrlhf_oppo import config, preflight
 
 add_arguments = config.add_arguments
 
@@ -36,6 +36,7 @@ add_arguments = config.add_arguments
 def configure(args) -> None:
     """Upstream's extension hook (patches/openrlhf/0001): check the args and choose OPPO's classes."""
     config.validate(args)
+    preflight.check(args)  # what the flags point at: datasets, folders, models, the cache budget
     if args.bench.seed_prompt_order:
         from openrlhf_oppo.bench import seeded_order
 

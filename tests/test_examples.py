@@ -52,10 +52,10 @@ VARIANTS = [(script, {}, []) for script in BENCHMARKS] + [
 
 
 @pytest.fixture(scope="module")
-def fake_bench(tmp_path_factory):
+def fake_bench(tmp_path_factory, bench_workdir):
     """A ``python3`` that checks a benchmark command line without running it: the harness's options, then every
     run's ``train_ppo_ray`` flags with upstream's parser and OPPO's checks; with ``--upstream_patches``, the parser
-    of the patched copy the runs would import (made once for every script)."""
+    of the patched copy the runs would import (made once for every script), on a workload's folder."""
     from openrlhf_oppo.bench.patched_upstream import make_patched_copy
 
     folder = tmp_path_factory.mktemp("bench-bin")
@@ -72,12 +72,14 @@ def fake_bench(tmp_path_factory):
         "if '--task' in sys.argv:\n"
         "    from openrlhf_oppo.bench import learning\n"
         "    args = learning.parse()\n"
-        "    runs = [learning.run_flags('/w', '/o', f'{s}-seed{seed}', s, int(seed), args)\n"
+        f"    runs = [learning.run_flags({bench_workdir!r}, {bench_workdir + '/out'!r}, f'{{s}}-seed{{seed}}', s,\n"
+        "                               int(seed), args)\n"
         "            for s in args.systems.split(',') for seed in args.seeds.split(',')]\n"
         "else:\n"
         "    from openrlhf_oppo.bench import __main__ as bench\n"
         "    args = bench.parse()\n"
-        "    runs = [bench.system_command(args, s, '/w', args.overcommit) for s in args.systems.split(',') if s]\n"
+        f"    runs = [bench.system_command(args, s, {bench_workdir!r}, args.overcommit)\n"
+        "            for s in args.systems.split(',') if s]\n"
         "for flags in runs:\n"
         "    parse_args(flags)\n"
         "print('validated', len(runs), 'runs of', args.shape)\n"
