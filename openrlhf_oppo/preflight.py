@@ -185,9 +185,15 @@ def _json_first_row_keys(path: str, array: bool) -> Optional[List[str]]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
-        if len(head) == FIRST_ROW_BYTES and "\n" not in head:
+        if array:  # one object over many lines (columns of values, say): what it holds is its keys
+            try:
+                row, _ = json.JSONDecoder().raw_decode(text)
+            except json.JSONDecodeError:
+                return None
+        elif len(head) == FIRST_ROW_BYTES and "\n" not in head:
             return None  # the first line goes on past what was read
-        raise ValueError(f"its first row is not JSON ({error.msg}): give one JSON object a line.") from None
+        else:
+            raise ValueError(f"its first row is not JSON ({error.msg}): give one JSON object a line.") from None
     if not isinstance(row, dict):
         raise ValueError(f"its first row is a JSON {type(row).__name__}, not an object with named keys.")
     return list(row)

@@ -104,8 +104,9 @@ def test_benchmark_script_validates_every_run(script, env, extra, fake_bench):
 
 
 @pytest.mark.parametrize("script", LAUNCH)
-def test_launch_script_parses(script, fake_python):
-    env = dict(os.environ, PATH=f"{fake_python}:{os.environ['PATH']}", REWARD_MODEL="/models/rm")
+def test_launch_script_parses(script, fake_python, checkpoints):
+    # The reward model is a local checkpoint folder, which the CLI checks before a run starts.
+    env = dict(os.environ, PATH=f"{fake_python}:{os.environ['PATH']}", REWARD_MODEL=checkpoints["reward"])
     result = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert ("parsed True" in result.stdout) == (not script.endswith("_upstream.sh"))

@@ -77,8 +77,8 @@ def test_good_args_pass_in_well_under_a_second(checkpoints, good_root):
 
 def test_every_local_format_upstream_loads_passes_and_loads(tmp_path):
     """What the checks let through, upstream's blending_datasets loads with the input key in its rows: JSON lines,
-    a JSON array, CSV, parquet, a folder of parquet files, and datasets' save_to_disk of one dataset and of a dict of
-    splits (whose split the checks take from its dataset_dict.json)."""
+    a JSON array (on one line or many), CSV, parquet, a folder of parquet files, and datasets' save_to_disk of one
+    dataset and of a dict of splits (whose split the checks take from its dataset_dict.json)."""
     import datasets
     from openrlhf.datasets.utils import blending_datasets
 
@@ -86,6 +86,7 @@ def test_every_local_format_upstream_loads_passes_and_loads(tmp_path):
     table = datasets.Dataset.from_list(rows)
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (tmp_path / "p.json").write_text(json.dumps(rows))
+    (tmp_path / "indented.json").write_text(json.dumps(rows, indent=2))
     table.to_csv(str(tmp_path / "p.csv"), index=False)
     table.to_parquet(str(tmp_path / "p.parquet"))
     (tmp_path / "folder" / "data").mkdir(parents=True)
@@ -94,7 +95,7 @@ def test_every_local_format_upstream_loads_passes_and_loads(tmp_path):
     datasets.DatasetDict(train=table, test=table).save_to_disk(str(tmp_path / "splits"))
     strategy = SimpleNamespace(print=lambda *_: None, is_rank_0=lambda: False, args=SimpleNamespace(use_ms=False))
     keys = [("--data.input_key", "input"), ("--data.label_key", "answer")]
-    for name in ("p.jsonl", "p.json", "p.csv", "p.parquet", "folder", "saved", "splits"):
+    for name in ("p.jsonl", "p.json", "indented.json", "p.csv", "p.parquet", "folder", "saved", "splits"):
         path = str(tmp_path / name)
         preflight._check_dataset("--data.prompt_dataset", path, keys, ("--data.prompt_split", "train"))
         loaded = blending_datasets(path, None, strategy, dataset_split="train")
