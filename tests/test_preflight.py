@@ -177,46 +177,82 @@ ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)  # two GPUs declared: 
 held = placement_group([{"GPU": 1}])
 ray.get(held.ready())
 print(ray.get_runtime_context().gcs_address, flush=True)
-sys.stdin.read()  # until the test is done
+sys.stdin.read()  # until the tests are done
 """
 
 
-@pytest.mark.process
-def test_the_cli_stops_on_a_cluster_that_lacks_the_gpus(checkpoints, tmp_path):
-    """``RAY_ADDRESS``: a cluster of two GPUs, one held by another job. A run asking for four is refused at its first
-    placement group; one asking for two (one free) gives up waiting for them within the timeout."""
+@pytest.fixture(scope="module")
+def cluster():
+    """The address of a Ray cluster of two GPUs (declared, on this CPU machine), one held by another job."""
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         address = holder.stdout.readline().strip()
         assert address, "the holder's cluster did not start"
-        prompts = tmp_path / "prompts.jsonl"
-        prompts.write_text(json.dumps({"input": "1+1="}) + "\n")
-        argv = [
-            "--actor.model_name_or_path", checkpoints["actor"], "--reward.model_name_or_path", checkpoints["reward"],
-            "--data.prompt_dataset", str(prompts), "--ckpt.output_dir", str(tmp_path / "ckpt"), "--train.colocate_all",
-            "--ds.attn_implementation", "sdpa", "--rollout.batch_size", "8",
-        ]  # fmt: skip
-        env = {"RAY_ADDRESS": address, "OPENRLHF_OPPO_PLACEMENT_TIMEOUT_S": "5"}
-        for gpus, expected in (
-            (
-                4,
-                "The placement needs 4 GPUs (actor + ref + vLLM engines + critic + reward: 4) and the Ray cluster has 2",
-            ),
-            (2, "Ray could not place a group of 2 GPUs within 5 s: 1 of the cluster's 2 GPUs are free."),
-        ):
-            counts = [
-                f for role in ("actor", "critic", "reward", "ref") for f in (f"--{role}.num_gpus_per_node", str(gpus))
-            ]
-            started = time.time()
-            code, _, stderr = _cli(argv + counts + ["--vllm.num_engines", str(gpus)], env=env)
-            took = time.time() - started
-            print(f"{gpus} GPUs: {took:.0f} s: {stderr[-1]}")
-            assert code == 1 and stderr[-1].startswith(f"openrlhf-oppo: error: {expected}"), stderr[-30:]
-            assert "Traceback" not in "\n".join(stderr)
-            assert took < 120  # the start-up of upstream's driver on a busy CPU, and at most 5 s of waiting
+        yield address
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
+
+
+def _cluster_run(cluster, checkpoints, tmp_path, *flags):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input": "1+1=", "answer": "2"}) + "\n")
+    argv = [
+        "--actor.model_name_or_path", checkpoints["actor"], "--data.prompt_dataset", str(prompts),
+        "--ckpt.output_dir", str(tmp_path / "ckpt"), "--ds.attn_implementation", "sdpa",
+    ]  # fmt: skip
+    env = {"RAY_ADDRESS": cluster, "OPENRLHF_OPPO_PLACEMENT_TIMEOUT_S": "5"}
+    started = time.time()
+    code, _, stderr = _cli(argv + list(flags), env=env)
+    print(f"{time.time() - started:.0f} s: {stderr[-1]}")
+    return code, stderr, time.time() - started
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(
+    "gpus, expected",
+    [
+        (4, "The placement needs 4 GPUs (actor + ref + vLLM engines + critic + reward: 4) and the Ray cluster has 2"),
+        (2, "Ray could not place a group of 2 GPUs within 5 s: 1 of the cluster's 2 GPUs are free."),
+    ],
+)
+def test_the_cli_stops_on_a_cluster_that_lacks_the_gpus(gpus, expected, cluster, checkpoints, tmp_path):
+    """``RAY_ADDRESS``: a run asking for four GPUs of the two is refused at its first placement group; one asking for
+    two, of which one is free, gives up waiting for them after the timeout."""
+    counts = [
+        flag for role in ("actor", "critic", "reward", "ref") for flag in (f"--{role}.num_gpus_per_node", str(gpus))
+    ]
+    code, stderr, took = _cluster_run(
+        cluster, checkpoints, tmp_path, "--reward.model_name_or_path", checkpoints["reward"], "--train.colocate_all",
+        "--vllm.num_engines", str(gpus), "--rollout.batch_size", "8", *counts,
+    )  # fmt: skip
+    assert code == 1 and stderr[-1].startswith(f"openrlhf-oppo: error: {expected}"), stderr[-30:]
+    assert "Traceback" not in "\n".join(stderr)
+    assert took < 120  # the start of upstream's driver on a busy CPU, and at most 5 s of waiting
+
+
+@pytest.mark.process
+def test_the_cli_names_the_actor_that_failed_before_its_traceback(cluster, checkpoints, tmp_path):
+    """A run placed on the cluster's free GPU, which this machine does not have: the policy's rank 0 fails in
+    upstream's ``init_model_from_pretrained`` (DeepSpeed sets its CUDA device). The driver prints the actor and its
+    error, then the traceback, then the same line last."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the policy would start on this machine's GPU")
+    code, stderr, _ = _cluster_run(
+        cluster, checkpoints, tmp_path, "--reward.remote_url", str(Path(__file__).parents[1] / "openrlhf_oppo" /
+        "bench" / "addition.py"), "--data.label_key", "answer", "--algo.advantage.estimator", "reinforce",
+        "--algo.kl.init_coef", "0", "--vllm.num_engines", "0", "--actor.num_gpus_per_node", "1",
+        "--rollout.batch_size", "1",
+    )  # fmt: skip
+    line = stderr[-1]
+    assert code == 1 and line.startswith(
+        "openrlhf-oppo: error: actor rank 0 (PolicyModelActor) failed in init_model_from_pretrained: "
+    ), stderr[-30:]
+    assert "\n".join(stderr).count(line) == 2 and stderr.index(line) < stderr.index(
+        "Traceback (most recent call last):"
+    )
 
 
 # -- the root cause of an actor's failure --------------------------------------------------------------------------
