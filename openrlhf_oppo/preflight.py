@@ -54,8 +54,11 @@ def check_launch(args, have: Optional[Dict[str, float]] = None, where: str = "th
     """What a run needs before it starts: its required flags, and the GPUs and CPUs of its placement on ``have``
     (Ray's resource totals), by default the Ray cluster if Ray is up, else this machine, where Ray will start.
     Skipped with ``RAY_ADDRESS`` and Ray not up yet: ``launch.py`` checks that cluster once Ray is up."""
-    for flag, value in (("--actor.model_name_or_path", args.actor.model_name_or_path),
-                        ("--data.prompt_dataset", args.data.prompt_dataset)):  # fmt: skip
+    required = {
+        "--actor.model_name_or_path": args.actor.model_name_or_path,
+        "--data.prompt_dataset": args.data.prompt_dataset,
+    }
+    for flag, value in required.items():
         if not value:
             raise OPPOConfigError(f"{flag} is not given: a run needs it (a local path or a Hugging Face hub name).")
     if have is None:
@@ -326,8 +329,13 @@ def _check_models(args) -> None:
             "No reward: give --reward.model_name_or_path, --reward.remote_url (a URL or a .py reward function) or "
             "--train.agent_func_path."
         )
-    for flag, value in (("--reward.remote_url", args.reward.remote_url), ("--train.agent_func_path",
-                                                                            args.train.agent_func_path)):  # fmt: skip
+    # A remote reward may be a local Python function (upstream loads a .py URL as one), as an agent is.
+    python_files = {
+        "--reward.remote_url": args.reward.remote_url,
+        "--train.agent_func_path": args.train.agent_func_path,
+    }
+    for flag, value in python_files.items():
+        # Upstream splits --reward.remote_url at commas after configure: a string here, a list in train().
         for path in value.split(",") if isinstance(value, str) else value or []:
             if path.strip().endswith(".py") and not os.path.isfile(os.path.expanduser(path.strip())):
                 raise OPPOConfigError(f"{flag} {path} does not exist: give the path of the Python file.")

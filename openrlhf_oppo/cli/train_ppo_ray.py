@@ -104,7 +104,7 @@ def main() -> None:
         try:
             runpy.run_module(UPSTREAM, run_name="__main__", alter_sys=True)
         except config.OPPOConfigError as error:
-            sys.exit(f"openrlhf-oppo: error: {error}")
+            _exit_with(str(error))
         except Exception as error:  # noqa: BLE001 - everything else goes on as raised
             line = failure_line(error)
             if line is None:
@@ -112,7 +112,16 @@ def main() -> None:
             # The cause first, then the traceback for the log, and the cause again as the last line.
             print(f"openrlhf-oppo: error: {line}", file=sys.stderr, flush=True)
             traceback.print_exception(error)
-            sys.exit(f"openrlhf-oppo: error: {line}")
+            _exit_with(line)
+
+
+def _exit_with(line: str) -> None:
+    """End the run with ``line`` last: Ray, if up, is shut down first, since its workers' logs reach the driver's
+    stderr at any time."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    sys.exit(f"openrlhf-oppo: error: {line}")
 
 
 def failure_line(error: BaseException):
