@@ -26,7 +26,6 @@ One step, in call order (``docs/design.md`` draws it; ``trainer.py`` makes the c
 7. ``stats``, ``resources``, ``set_chunk_size``, ``drain_traces`` once a step.
 """
 
-import re
 import time
 from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
@@ -34,6 +33,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from openrlhf_oppo import actor_errors
 from openrlhf_oppo.protocol import (
     ROLES,
     ResourceReading,
@@ -60,9 +60,8 @@ def phase(what: str):
 
 
 def dead_actor(error: BaseException) -> str:
-    """The class of the actor a Ray error says died."""
-    found = re.search(r"class_name: (\S+)", str(getattr(error, "cause", None) or error))
-    return found.group(1) if found else "a Ray actor"
+    """The class of the actor a Ray error says died (or failed in ``__init__``)."""
+    return actor_errors.actor_class(error)
 
 
 class StreamCoordinator:
@@ -367,7 +366,6 @@ def _failed_call(calls) -> str:
 
 
 def _first_line(error: Exception) -> str:
-    """The error's own message: for a call that raised, its exception's (Ray's wrapper starts with the call)."""
-    error = getattr(error, "cause", None) or error
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    """The error's own message: for a call that raised, its exception's (Ray's wrapper starts with the call); for
+    an actor that failed in ``__init__``, the exception raised there."""
+    return actor_errors.exception_line(error)

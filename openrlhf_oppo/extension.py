@@ -29,7 +29,7 @@ upstream's ``COMPONENTS`` instead of swapping globals.
 import importlib
 import sys
 
-from openrlhf_oppo import config, plan
+from openrlhf_oppo import config, plan, preflight
 
 add_arguments = config.add_arguments
 
@@ -46,6 +46,7 @@ def configure(args) -> None:
     plan.apply_upstream_changes(args, run_plan)
     print(f"[openrlhf-oppo] {plan.describe(run_plan)}", flush=True)
     config.warn_of_the_first_tokens_log_prob(args)
+    preflight.check(args, run_plan)  # what the flags point at: datasets, folders, models, the cache budget
     if args.bench.seed_prompt_order:
         from openrlhf_oppo.bench import seeded_order
 

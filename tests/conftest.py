@@ -32,6 +32,23 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def bench_workdir(checkpoints, tmp_path_factory):
+    """A benchmark workload's folder as the harness lays it out (``models/actor``, ``models/reward``,
+    ``prompts.jsonl`` with the speed benchmark's and the learning benchmark's labels, ``heldout.jsonl``), on the
+    tiny checkpoints: what the benchmarks' commands point at, which the CLI checks before a run starts."""
+    import json
+
+    workdir = tmp_path_factory.mktemp("workload")
+    (workdir / "models").mkdir()
+    for role in ("actor", "reward"):
+        (workdir / "models" / role).symlink_to(checkpoints[role])
+    rows = [json.dumps({"input": f"{i}+1=", "length": "8", "answer": str(i + 1)}) for i in range(16)]
+    for name in ("prompts.jsonl", "heldout.jsonl"):
+        (workdir / name).write_text("\n".join(rows) + "\n")
+    return str(workdir)
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     import ray
 

@@ -9,6 +9,7 @@ import torch
 from openrlhf.utils import deepspeed
 from transformers import get_scheduler
 
+from openrlhf_oppo import preflight
 from openrlhf_oppo.bench import addition, learning
 from openrlhf_oppo.bench.learning import LEARNING_SYSTEMS
 from openrlhf_oppo.bench.systems import (
@@ -22,12 +23,13 @@ from openrlhf_oppo.bench.systems import (
     system_flags,
 )
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
+from openrlhf_oppo.config import OPPOConfigError
 from openrlhf_oppo.plan import resolve
 
 
 @pytest.mark.parametrize("placement,gpus", [("split", 2), ("split", 4), ("colocated", 1)])
 @pytest.mark.parametrize("system", SYSTEMS)
-def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatch):
+def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatch, bench_workdir):
     if system in SPLIT_ONLY and placement == "colocated":
         with pytest.raises(ValueError, match="GPUs of its own"):
             system_flags(system, placement, 16)
@@ -38,7 +40,7 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
         return
     # --bench.seed_prompt_order swaps the strategy class; undo that after the test.
     monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
-    flags = common_flags("/w", "/o", system, placement, gpus, 32, 1, 5, 4096, 64, 0, 2.0)
+    flags = common_flags(bench_workdir, f"{bench_workdir}/out", system, placement, gpus, 32, 1, 5, 4096, 64, 0, 2.0)
     args = parse_args(flags + system_flags(system, placement, 16))
     assert args.bench.lengths_from_label and args.bench.seed_prompt_order
     assert deepspeed.DeepspeedStrategy.__name__ == "SeededOrderStrategy"
@@ -64,10 +66,14 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
         assert plan.carry_kv == ("keep" if system in KEEP_KV else "recompute")
     if placement == "split":
         assert args.vllm.num_engines == gpus // 2 and args.actor.num_gpus_per_node == gpus // 2
+    # The run asks Ray for the benchmark's GPUs, no more (a CPU for each and one for the trainer), none fewer.
+    preflight.check_resources(args, {"GPU": gpus, "CPU": gpus + 1}, "the machine")
+    with pytest.raises(OPPOConfigError, match=f"The placement needs {gpus} GPUs"):
+        preflight.check_resources(args, {"GPU": gpus - 1, "CPU": 64}, "the machine")
 
 
 @pytest.mark.parametrize("system", ["upstream-sync", "oppo-both", "oppo-both-awake", "oppo-inter-awake"])
-def test_colocated_models_keep_their_states_on_the_gpu_without_ds_sleep(system, monkeypatch):
+def test_colocated_models_keep_their_states_on_the_gpu_without_ds_sleep(system, monkeypatch, bench_workdir):
     """``--ds_sleep off``: every colocated system runs without --ds.enable_sleep, and only that changes."""
     from openrlhf_oppo.bench.__main__ import parse, system_command
 
@@ -76,20 +82,22 @@ def test_colocated_models_keep_their_states_on_the_gpu_without_ds_sleep(system, 
     for ds_sleep in ("on", "off"):
         monkeypatch.setattr(sys, "argv", ["bench", "--out", "/o", "--systems", system, "--ds_sleep", ds_sleep])
         args = parse()
-        args.scratch = "/o"
-        commands[ds_sleep] = system_command(args, system, "/w", 16)
+        args.scratch = f"{bench_workdir}/out"
+        commands[ds_sleep] = system_command(args, system, bench_workdir, 16)
     assert [flag for flag in commands["on"] if flag not in commands["off"]] == ["--ds.enable_sleep"]
     args = parse_args(commands["off"])
     assert args.train.colocate_all and not args.ds.enable_sleep
     assert args.vllm.enable_sleep == (system not in AWAKE)
 
 
-def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch):
+def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch, bench_workdir):
     """examples/scripts/bench_4gpu_split.sh with ZERO=3 OFFLOAD=1 ROLLOUT_MB=32 TRAIN_MB=8: two engines, two ranks
     a model, ZeRO-3, Adam states in host memory, OpenRLHF's recipe micro-batches, and vLLM's smaller share of its
     GPUs leaves the frozen models room beside it."""
     monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
-    flags = common_flags("/w", "/o", "oppo-both", "split", 4, 64, 1, 5, 4096, 64, 0, 4.0, 32, 8)
+    flags = common_flags(
+        bench_workdir, f"{bench_workdir}/out", "oppo-both", "split", 4, 64, 1, 5, 4096, 64, 0, 4.0, 32, 8
+    )
     extra = ["--ds.zero_stage", "3", "--ds.adam_offload", "--vllm.gpu_memory_utilization", "0.6"]
     args = parse_args(flags + system_flags("oppo-both", "split", 32) + extra)
     assert args.ds.zero_stage == 3 and args.ds.adam_offload and args.vllm.gpu_memory_utilization == 0.6
@@ -100,12 +108,14 @@ def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch):
 
 
 @pytest.mark.parametrize("system", ["upstream-sync", "upstream-async", "oppo-both", "oppo-inter"])
-def test_models_on_three_gpus_and_vllm_on_one(system, monkeypatch):
+def test_models_on_three_gpus_and_vllm_on_one(system, monkeypatch, bench_workdir):
     """``--model_gpus 3`` of 4: one engine, three ranks for the policy and critic; the OPPO systems whose frozen
     models stream put one reward and one reference rank beside the engine, the others keep three with the models
     (upstream's own checks of its placements included: the patched upstream repeats them)."""
     monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
-    flags = common_flags("/w", "/o", system, "split", 4, 32, 1, 5, 4096, 64, 0, 4.0, 8, 2, 3)
+    flags = common_flags(
+        bench_workdir, f"{bench_workdir}/out", system, "split", 4, 32, 1, 5, 4096, 64, 0, 4.0, 8, 2, 3
+    )
     args = parse_args(flags + system_flags(system, "split", 32) + ["--ds.zero_stage", "3"])
     assert args.vllm.num_engines == 1 and args.actor.num_gpus_per_node == args.critic.num_gpus_per_node == 3
     beside_vllm = system == "oppo-both"
@@ -133,7 +143,7 @@ def test_benchmark_refuses_a_split_it_cannot_place(argv, error, monkeypatch, cap
     assert error in capsys.readouterr().err
 
 
-def test_oppo_extra_reaches_the_oppo_systems_only(monkeypatch):
+def test_oppo_extra_reaches_the_oppo_systems_only(monkeypatch, bench_workdir):
     """``--oppo_extra`` flags go to the OPPO systems after their own (``--extra`` to all): Delta under the
     throughput rule up to the batch, here."""
     from openrlhf_oppo.bench.__main__ import parse, system_command
@@ -144,25 +154,25 @@ def test_oppo_extra_reaches_the_oppo_systems_only(monkeypatch):
     argv += ["--extra=--train.micro_batch_size", "--extra=4"] + [f"--oppo_extra={flag}" for flag in oppo_extra]
     monkeypatch.setattr(sys, "argv", argv)
     args = parse()
-    args.scratch = "/o"
-    oppo = parse_args(system_command(args, "oppo-both", "/w", 16))
+    args.scratch = f"{bench_workdir}/out"
+    oppo = parse_args(system_command(args, "oppo-both", bench_workdir, 16))
     assert oppo.oppo.overcommit == "auto" and oppo.oppo.overcommit_rule == "throughput"
     assert oppo.oppo.overcommit_max == 64 and oppo.train.micro_batch_size == 4
-    upstream = system_command(args, "upstream-sync", "/w", 16)
+    upstream = system_command(args, "upstream-sync", bench_workdir, 16)
     assert not set(oppo_extra[::2]) & set(upstream) and parse_args(upstream).train.micro_batch_size == 4
 
 
 @pytest.mark.parametrize(
     "placement, system", [(placement, system) for placement, systems in LEARNING_SYSTEMS.items() for system in systems]
 )
-def test_learning_benchmark_run_is_a_valid_command(placement, system, monkeypatch):
+def test_learning_benchmark_run_is_a_valid_command(placement, system, monkeypatch, bench_workdir):
     """Every run of the learning benchmark: the task's prompts and rule reward, responses ending where the model
     ends them, advantages from the group of samples (no critic), the system's own flags."""
     monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
     gpus = "1" if placement == "colocated" else "2"
     options = learning.parse(["--task", "addition", "--out", "/o", "--placement", placement, "--gpus", gpus])
     assert system in options.systems.split(",")  # the placement's default systems
-    flags = learning.run_flags("/w", "/o", f"{system}-seed1", system, 1, options)
+    flags = learning.run_flags(bench_workdir, f"{bench_workdir}/out", f"{system}-seed1", system, 1, options)
     args = parse_args(flags)
     assert args.reward.remote_url == [addition.__file__] and args.data.label_key == "answer"
     assert not args.bench.lengths_from_label and args.bench.seed_prompt_order and args.train.seed == 1
@@ -195,12 +205,14 @@ def test_learning_benchmark_refuses_a_system_its_placement_cannot_run(placement,
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_learning_benchmarks_schedule_keeps_the_learning_rate_after_its_warm_up():
+def test_learning_benchmarks_schedule_keeps_the_learning_rate_after_its_warm_up(bench_workdir):
     """What OpenRLHF's strategy builds from --actor.lr_scheduler for a learning run: transformers' scheduler of that
     name, with the run's --actor.lr_warmup_ratio (OpenRLHF's default) and no min_lr_rate (which only its cosine
     schedules take). After the warm-up the rate stays at the run's."""
     options = learning.parse(["--task", "addition", "--out", "/o"])
-    args = parse_args(learning.run_flags("/w", "/o", "oppo-both-seed0", "oppo-both", 0, options))
+    args = parse_args(
+        learning.run_flags(bench_workdir, f"{bench_workdir}/out", "oppo-both-seed0", "oppo-both", 0, options)
+    )
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=args.actor.adam.lr)
     steps = options.steps * options.updates
     warmup = math.ceil(steps * args.actor.lr_warmup_ratio)  # as DeepspeedStrategy builds it
@@ -214,11 +226,11 @@ def test_learning_benchmarks_schedule_keeps_the_learning_rate_after_its_warm_up(
 
 
 @pytest.mark.parametrize("system", ["upstream-sync", "upstream-async", "oppo-both"])
-def test_group_norm_benchmark_drops_the_critic(system, monkeypatch):
+def test_group_norm_benchmark_drops_the_critic(system, monkeypatch, bench_workdir):
     """examples/scripts/bench_2gpu_split_group_norm.sh: 4 samples a prompt, group advantages; no critic is
     trained or streamed, and the last --algo.advantage.estimator (the script's --extra) wins."""
     monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
-    flags = common_flags("/w", "/o", system, "split", 2, 16, 4, 7, 4096, 64, 0, 2.0)
+    flags = common_flags(bench_workdir, f"{bench_workdir}/out", system, "split", 2, 16, 4, 7, 4096, 64, 0, 2.0)
     args = parse_args(flags + system_flags(system, "split", 8) + ["--algo.advantage.estimator", "group_norm"])
     assert args.algo.advantage.estimator == "group_norm" and args.critic.model_name_or_path is None
     assert args.rollout.n_samples_per_prompt == 4 and args.train.batch_size == 64
@@ -326,12 +338,14 @@ def test_benchmark_runs_by_default_every_system_its_placement_can(placement, mon
     assert systems == [s for s in SYSTEMS if s not in other_only] and "oppo-both" in systems
 
 
-def test_learning_benchmark_updates_a_step(monkeypatch):
+def test_learning_benchmark_updates_a_step(monkeypatch, bench_workdir):
     """--updates sets the policy updates a step (each one micro-batch); a count that does not divide the step's
     samples is refused before anything runs."""
     monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
     options = learning.parse(["--task", "addition", "--out", "/o", "--updates", "2"])
-    args = parse_args(learning.run_flags("/w", "/o", "oppo-both-seed0", "oppo-both", 0, options))
+    args = parse_args(
+        learning.run_flags(bench_workdir, f"{bench_workdir}/out", "oppo-both-seed0", "oppo-both", 0, options)
+    )
     assert args.train.micro_batch_size == args.train.batch_size == 128
     with pytest.raises(SystemExit):
         learning.parse(["--task", "addition", "--out", "/o", "--updates", "3"])

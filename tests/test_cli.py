@@ -144,11 +144,25 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--train.colocate_all", "--oppo.weight_sync", "paused"], "place vLLM apart, awake"),
         (["--oppo.enable", "--vllm.enable_sleep", "--oppo.weight_sync", "staged"], "sleep through the sync"),
         (
-            ["--oppo.enable", "--ds.enable_sleep", "--oppo.critic_catch_up", "after_fit", "--oppo.state_moves", "serial"],
+            [
+                "--oppo.enable",
+                "--ds.enable_sleep",
+                "--oppo.critic_catch_up",
+                "after_fit",
+                "--oppo.state_moves",
+                "serial",
+            ],
             "add --oppo.state_moves",
         ),
         (
-            ["--oppo.enable", "--ds.enable_sleep", "--oppo.critic_catch_up", "next_batch", "--oppo.state_moves", "serial"],
+            [
+                "--oppo.enable",
+                "--ds.enable_sleep",
+                "--oppo.critic_catch_up",
+                "next_batch",
+                "--oppo.state_moves",
+                "serial",
+            ],
             "add --oppo.state_moves",
         ),
         (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.critic_catch_up", "after_fit"], "max_lag 0 turns off"),

@@ -53,10 +53,10 @@ VARIANTS = [(script, {}, []) for script in BENCHMARKS] + [
 
 
 @pytest.fixture(scope="module")
-def fake_bench(tmp_path_factory):
+def fake_bench(tmp_path_factory, bench_workdir):
     """A ``python3`` that checks a benchmark command line without running it: the harness's options, then every
     run's ``train_ppo_ray`` flags with upstream's parser and OPPO's checks; with ``--upstream_patches``, the parser
-    of the patched copy the runs would import (made once for every script)."""
+    of the patched copy the runs would import (made once for every script), on a workload's folder."""
     from openrlhf_oppo.bench.patched_upstream import make_patched_copy
 
     folder = tmp_path_factory.mktemp("bench-bin")
@@ -73,12 +73,14 @@ def fake_bench(tmp_path_factory):
         "if '--task' in sys.argv:\n"
         "    from openrlhf_oppo.bench import learning\n"
         "    args = learning.parse()\n"
-        "    runs = [learning.run_flags('/w', '/o', f'{s}-seed{seed}', s, int(seed), args)\n"
+        f"    runs = [learning.run_flags({bench_workdir!r}, {bench_workdir + '/out'!r}, f'{{s}}-seed{{seed}}', s,\n"
+        "                               int(seed), args)\n"
         "            for s in args.systems.split(',') for seed in args.seeds.split(',')]\n"
         "else:\n"
         "    from openrlhf_oppo.bench import __main__ as bench\n"
         "    args = bench.parse()\n"
-        "    runs = [bench.system_command(args, s, '/w', args.overcommit) for s in args.systems.split(',') if s]\n"
+        f"    runs = [bench.system_command(args, s, {bench_workdir!r}, args.overcommit)\n"
+        "            for s in args.systems.split(',') if s]\n"
         "for flags in runs:\n"
         "    parse_args(flags)\n"
         "print('validated', len(runs), 'runs of', args.shape)\n"
@@ -103,8 +105,9 @@ def test_benchmark_script_validates_every_run(script, env, extra, fake_bench):
 
 
 @pytest.mark.parametrize("script", LAUNCH)
-def test_launch_script_parses(script, fake_python):
-    env = dict(os.environ, PATH=f"{fake_python}:{os.environ['PATH']}", REWARD_MODEL="/models/rm")
+def test_launch_script_parses(script, fake_python, checkpoints):
+    # The reward model is a local checkpoint folder, which the CLI checks before a run starts.
+    env = dict(os.environ, PATH=f"{fake_python}:{os.environ['PATH']}", REWARD_MODEL=checkpoints["reward"])
     result = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert ("parsed True" in result.stdout) == (not script.endswith("_upstream.sh"))

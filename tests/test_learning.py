@@ -405,7 +405,7 @@ def test_the_benchmark_lets_responses_end_at_their_first_token_where_the_patches
             assert flags[flags.index("--rollout.min_new_tokens") + 1] == "0"
 
 
-def test_the_kl_is_a_loss_since_group_norm_leaves_a_kl_in_the_reward_without_baseline():
+def test_the_kl_is_a_loss_since_group_norm_leaves_a_kl_in_the_reward_without_baseline(bench_workdir):
     """Why the learning benchmark sets ``--algo.kl.use_loss``: OpenRLHF's group_norm normalises the task's reward
     within the prompt's samples, then adds the KL penalty per token with no baseline. For a group whose samples are
     all wrong, upstream's returns are then negative at every token, most at the first: each step pushes every
@@ -419,7 +419,7 @@ def test_the_kl_is_a_loss_since_group_norm_leaves_a_kl_in_the_reward_without_bas
     from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
     bench = learning.parse(["--task", "addition", "--out", "OUT", "--n_samples", "8"])
-    args = parse_args(learning.run_flags("W", "OUT", "n", "upstream-sync", 0, bench))
+    args = parse_args(learning.run_flags(bench_workdir, f"{bench_workdir}/out", "n", "upstream-sync", 0, bench))
     assert args.algo.advantage.estimator == "group_norm"
     assert args.algo.kl.use_loss and args.algo.kl.estimator == "k3"
 

@@ -8,7 +8,12 @@ unchanged (``runpy``) with three hooks around it:
 2. when upstream parses its arguments, the OPPO group is added to the same parser, so ``--help``
    lists it and the dotted flags land in ``args.oppo`` like upstream's own groups;
 3. when upstream hierarchizes them, ``extension.configure`` checks them all (bad values and unsupported
-   combinations fail here, before Ray starts) and ``--oppo.colocate_models`` swaps the placement.
+   combinations fail here, before Ray starts, and ``preflight.check`` the files and folders they name) and
+   ``--oppo.colocate_models`` swaps the placement; a run (``main``, not ``parse_args``) gets ``launch.guard``
+   around upstream's ``train``: the GPUs and CPUs checked, placement groups that wait at most 30 s.
+
+A run that stops because an actor failed ends with one line naming the actor and its own error
+(``failure_line``), printed before the traceback as well.
 
 Without OPPO flags the run is upstream's, step for step.
 """
@@ -17,10 +22,11 @@ import argparse
 import re
 import runpy
 import sys
+import traceback
 from contextlib import contextmanager
 
-from openrlhf_oppo import compat, config, extension
-from openrlhf_oppo.coordinator import OPPOActorError, dead_actor
+from openrlhf_oppo import actor_errors, compat, config, extension
+from openrlhf_oppo.coordinator import OPPOActorError
 
 UPSTREAM = "openrlhf.cli.train_ppo_ray"
 
@@ -35,8 +41,9 @@ def _read_ahead(argv):
 
 
 @contextmanager
-def _upstream_hooks(train=None):
-    """Hook OPPO into upstream's parsing; ``train``, if given, runs instead of the driver's ``train``."""
+def _upstream_hooks(train=None, wrap_train=None):
+    """Hook OPPO into upstream's parsing; ``train``, if given, runs instead of the driver's ``train``, which
+    ``wrap_train``, if given, wraps."""
     from openrlhf.utils import config as upstream_config
 
     parse_args, hierarchize = argparse.ArgumentParser.parse_args, upstream_config.hierarchize
@@ -55,6 +62,8 @@ def _upstream_hooks(train=None):
             extension.replace_placement(sys.modules["__main__"].__dict__)
         if train is not None:
             sys.modules["__main__"].__dict__["train"] = train
+        if wrap_train is not None:
+            sys.modules["__main__"].__dict__["train"] = wrap_train(sys.modules["__main__"].__dict__["train"])
         return args
 
     argparse.ArgumentParser.parse_args = parse_with_oppo
@@ -89,22 +98,37 @@ def main() -> None:
         sys.exit(f"openrlhf-oppo: {error}")
     ahead = _read_ahead(sys.argv[1:])
     extension.install(ahead.enable, ahead.lengths_from_label)
-    with _upstream_hooks():
+    from openrlhf_oppo import launch
+
+    with _upstream_hooks(wrap_train=launch.guard):
         try:
             runpy.run_module(UPSTREAM, run_name="__main__", alter_sys=True)
         except config.OPPOConfigError as error:
-            sys.exit(f"openrlhf-oppo: error: {error}")
+            _exit_with(str(error))
         except Exception as error:  # noqa: BLE001 - everything else goes on as raised
             line = failure_line(error)
             if line is None:
                 raise
-            sys.exit(f"openrlhf-oppo: error: {line}")
+            # The cause first, then the traceback for the log, and the cause again as the last line.
+            print(f"openrlhf-oppo: error: {line}", file=sys.stderr, flush=True)
+            traceback.print_exception(error)
+            _exit_with(line)
+
+
+def _exit_with(line: str) -> None:
+    """End the run with ``line`` last: Ray, if up, is shut down first, since its workers' logs reach the driver's
+    stderr at any time."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    sys.exit(f"openrlhf-oppo: error: {line}")
 
 
 def failure_line(error: BaseException):
-    """One line for a run that stopped because a Ray actor died or stopped answering, or None for any other
-    error. Raised in the trainer actor, the error reaches the driver wrapped in Ray's ``RayTaskError``; its
-    traceback says little, the actor that died and the call that found it say what happened."""
+    """One line for a run that stopped because a Ray actor failed, or None for any other error: the actor by role
+    and rank ("critic rank 1 (CriticModelActor)", its class where the driver did not create it) and its own
+    error, whether it raised in a call, failed in ``__init__``, or died. Raised in the trainer actor, the error
+    reaches the driver wrapped in Ray's ``RayTaskError``, whose traceback buries that under Ray's own frames."""
     import ray.exceptions
 
     outer = error
@@ -112,15 +136,17 @@ def failure_line(error: BaseException):
         error = error.cause
     if isinstance(error, OPPOActorError):
         return str(error)
-    if not isinstance(error, ray.exceptions.RayActorError):
+    waited = re.search(r"ray::([\w.]+)\(\)", actor_errors.text(outer))
+    waited = f" while {waited.group(1)} waited on it" if waited and outer is not error else ""
+    if isinstance(error, ray.exceptions.RayActorError):
+        subject = actor_errors.name(error.actor_id, actor_errors.actor_class(error))
+        happened = "failed to start" if error.actor_init_failed else "died"
+        return f"{subject} {happened}{waited}: {actor_errors.exception_line(error)}"
+    call = actor_errors.innermost_call(outer) if isinstance(outer, ray.exceptions.RayTaskError) else None
+    if call is None:
         return None
-    reason = [line for line in str(error).splitlines() if line.startswith("The actor is dead")]
-    call = re.search(r"ray::([\w.]+)\(\)", str(outer))
-    return (
-        f"{dead_actor(error)} died"
-        + (f" while {call.group(1)} waited on it" if call else "")
-        + (f": {reason[0]}" if reason else "")
-    )
+    class_name, method, actor_id = call
+    return f"{actor_errors.name(actor_id, class_name)} failed in {method}: {actor_errors.exception_line(error)}"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,478 @@
+"""Checks of what a run's flags point at, before Ray starts: one line per problem, naming the flag and the fix.
+
+``config.validate`` checks the flags against each other; this module looks at the files, folders and machine
+they name, which would otherwise fail minutes later inside a Ray actor with a traceback. Each failure is one
+``config.OPPOConfigError`` (the CLI prints it as ``openrlhf-oppo: error: ...`` and exits).
+
+* ``check`` runs from ``extension.configure`` on every run through OPPO's CLI or upstream's patched driver,
+  OPPO on or off (a missing dataset fails upstream's runs as late as OPPO's), and in ``parse_args``:
+  - datasets (``--data.prompt_dataset``, ``--eval.dataset``; comma-separated lists too): a local file or folder
+    exists, is not empty, and its first row has ``--data.input_key`` (and ``--data.label_key`` if given); a name
+    that does not look local (no leading ``/``, ``.`` or ``~``, no data-file extension) is a hub dataset and is
+    skipped, as there is nothing to check offline;
+  - folders the run writes (``--ckpt.output_dir``, ``--ckpt.path`` when checkpoints are saved,
+    ``--logger.tensorboard_dir``, ``--oppo.trace_dir``): the folder, or its first existing parent, is a writable
+    folder (nothing is created);
+  - models (``--actor``, ``--critic``, ``--reward.model_name_or_path``; upstream 0.11.2's reference loads the
+    actor's): a local path exists and holds ``config.json``; hub names are skipped. A local reward function or
+    agent (``--reward.remote_url`` or ``--train.agent_func_path`` ending in ``.py``) exists;
+  - with ``--oppo.enable`` and streaming, ``--oppo.cache_budget_gb`` holds at least one sequence's KV cache at
+    ``--data.max_len`` in each streamed model (from its local ``config.json``; skipped where there is none).
+* ``check_launch`` runs only when the CLI starts a run (not in ``parse_args``, which tests and the demo use on
+  machines without the GPUs): the flags a run cannot start without, and the GPUs and CPUs of the placement
+  (``placement``) against the Ray cluster if Ray is up, or this machine if Ray is about to start here. With
+  ``RAY_ADDRESS`` the cluster is checked once Ray is up, at the first placement group (``launch.py``).
+"""
+
+import csv
+import json
+import os
+from typing import Dict, Iterable, List, Optional, Tuple
+
+from openrlhf_oppo.config import OPPOConfigError
+
+# The file types upstream's blending_datasets loads as local files (openrlhf/datasets/utils.py).
+DATA_FILES = (".json", ".jsonl", ".csv", ".parquet", ".arrow")
+# Bytes read to find the first row of a .json array; a larger first row is not checked.
+FIRST_ROW_BYTES = 1 << 20
+# A folder's data files are looked for this many levels down (HF's data/train-*.parquet layouts).
+DATA_FOLDER_DEPTH = 3
+# The KV cache's element size: --ds.param_dtype is bf16 or fp16.
+KV_BYTES = 2
+
+
+def check(args, run_plan=None) -> None:
+    """Every check of the files and folders the flags name; raises the first problem found. ``run_plan``: the
+    run's plan (``plan.resolve``), whose streamed roles and cache budget are checked."""
+    from openrlhf_oppo.plan import resolve
+
+    run_plan = run_plan or resolve(args)
+    _check_datasets(args)
+    _check_folders(args)
+    _check_models(args)
+    if run_plan.enabled and run_plan.streamed_roles:
+        _check_cache_budget(args, run_plan)
+
+
+def check_launch(args, have: Optional[Dict[str, float]] = None, where: str = "this machine") -> None:
+    """What a run needs before it starts: its required flags, and the GPUs and CPUs of its placement on ``have``
+    (Ray's resource totals), by default the Ray cluster if Ray is up, else this machine, where Ray will start.
+    Skipped with ``RAY_ADDRESS`` and Ray not up yet: ``launch.py`` checks that cluster once Ray is up."""
+    required = {
+        "--actor.model_name_or_path": args.actor.model_name_or_path,
+        "--data.prompt_dataset": args.data.prompt_dataset,
+    }
+    for flag, value in required.items():
+        if not value:
+            raise OPPOConfigError(f"{flag} is not given: a run needs it (a local path or a Hugging Face hub name).")
+    if have is None:
+        import ray
+
+        if ray.is_initialized():
+            have, where = ray.cluster_resources(), "the Ray cluster"
+        elif os.environ.get("RAY_ADDRESS"):
+            return
+        else:
+            have = local_machine()
+    check_resources(args, have, where)
+
+
+# -- datasets ----------------------------------------------------------------------------------------------------
+
+
+def _check_datasets(args) -> None:
+    keys = [("--data.input_key", args.data.input_key)]
+    if args.data.label_key:
+        keys.append(("--data.label_key", args.data.label_key))
+    for flag, value, split, split_flag in (
+        ("--data.prompt_dataset", args.data.prompt_dataset, args.data.prompt_split, "--data.prompt_split"),
+        ("--eval.dataset", args.eval.dataset, args.eval.split, "--eval.split"),
+    ):
+        for entry in (value or "").split(","):
+            path = entry.split("@")[0].strip()  # upstream's "name@data_dir"
+            if path:
+                _check_dataset(flag, path, keys, (split_flag, split))
+
+
+def _looks_local(path: str, extensions: Iterable[str] = ()) -> bool:
+    return path.startswith(("/", ".", "~")) or os.path.splitext(path)[1].lower() in extensions
+
+
+def _check_dataset(flag: str, path: str, keys, split) -> None:
+    local = os.path.expanduser(path)
+    if not os.path.exists(local):
+        if _looks_local(path, DATA_FILES + (".py",)):
+            raise OPPOConfigError(
+                f"{flag} {path} does not exist: give a local file or folder, or a dataset name on the Hugging Face hub."
+            )
+        return  # a hub dataset: nothing to check offline
+    ext = os.path.splitext(local)[1].lower()
+    if ext == ".py":
+        return  # a loading script: what it yields shows only when it runs
+    if os.path.isdir(local):
+        _check_dataset_folder(flag, path, local, keys, split)
+        return
+    if ext not in DATA_FILES:
+        raise OPPOConfigError(
+            f"{flag} {path} is a file that upstream cannot load: give a {', '.join(DATA_FILES)} file, a folder of "
+            "them, or a folder saved with datasets' save_to_disk."
+        )
+    split_flag, split_name = split
+    if split_name != "train":
+        raise OPPOConfigError(
+            f"{flag} {path} is a single file, which loads as the one split 'train', but {split_flag} is "
+            f"{split_name!r}: use {split_flag} train (the default)."
+        )
+    _check_file_rows(flag, path, local, keys)
+
+
+def _check_file_rows(flag: str, shown: str, local: str, keys) -> None:
+    try:
+        found = _first_row_keys(local, _ext(local))
+    except ValueError as error:  # a first row that is no row
+        raise OPPOConfigError(f"{flag} {shown}: {error}") from None
+    _check_rows(flag, shown, found, keys)
+
+
+def _check_rows(flag: str, path: str, found: Optional[List[str]], keys) -> None:
+    """``found``: the first row's keys, [] for a dataset without rows, None where the format does not tell."""
+    if found is None:
+        return
+    if not found:
+        raise OPPOConfigError(f"{flag} {path} is empty: it needs one prompt a row.")
+    for key_flag, key in keys:
+        if key not in found:
+            shown = ", ".join(repr(k) for k in found[:8]) + (", ..." if len(found) > 8 else "")
+            raise OPPOConfigError(
+                f"{flag} {path} has no {key!r} in its first row ({key_flag}; the row's keys: {shown}): set "
+                f"{key_flag} to the key that holds it."
+            )
+
+
+def _first_row_keys(path: str, ext: str) -> Optional[List[str]]:
+    """The first row's keys (columns), [] if there is no row, None where it cannot be told cheaply. ValueError
+    for a first row that is not a row."""
+    if os.path.getsize(path) == 0:
+        return []
+    if ext == ".parquet":
+        import pyarrow.parquet
+
+        try:
+            metadata = pyarrow.parquet.read_metadata(path)
+        except pyarrow.ArrowException as error:
+            raise ValueError(f"it is not a readable parquet file ({error}).") from None
+        return metadata.schema.to_arrow_schema().names if metadata.num_rows else []
+    if ext == ".arrow":
+        return _arrow_stream_keys(path)
+    if ext == ".csv":
+        with open(path, newline="") as f:
+            rows = csv.reader(f)
+            header, first = next(rows, []), next(rows, None)
+        return header if first is not None else []
+    return _json_first_row_keys(path, array=ext == ".json")
+
+
+def _json_first_row_keys(path: str, array: bool) -> Optional[List[str]]:
+    """JSON lines, or (``array``: a .json file) one JSON array of rows: both load with upstream's "json" loader."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(FIRST_ROW_BYTES)
+    text = head.lstrip()
+    if not text:
+        return []
+    if array and text.startswith("["):
+        body = text[1:].lstrip()
+        if body.startswith("]"):
+            return []
+        try:
+            row, _ = json.JSONDecoder().raw_decode(body)
+        except json.JSONDecodeError:
+            return None  # a first row longer than what was read
+        return list(row) if isinstance(row, dict) else None
+    line = text.splitlines()[0]
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        if array:  # one object over many lines (columns of values, say): what it holds is its keys
+            try:
+                row, _ = json.JSONDecoder().raw_decode(text)
+            except json.JSONDecodeError:
+                return None
+        elif len(head) == FIRST_ROW_BYTES and "\n" not in head:
+            return None  # the first line goes on past what was read
+        else:
+            raise ValueError(f"its first row is not JSON ({error.msg}): give one JSON object a line.") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"its first row is a JSON {type(row).__name__}, not an object with named keys.")
+    return list(row)
+
+
+def _arrow_stream_keys(path: str) -> Optional[List[str]]:
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(path) as source:
+            reader = pa.ipc.open_stream(source)
+            try:
+                reader.read_next_batch()
+            except StopIteration:
+                return []
+            return reader.schema.names
+    except pa.ArrowInvalid:
+        return None  # not the stream format datasets writes
+
+
+def _check_dataset_folder(flag: str, path: str, local: str, keys, split) -> None:
+    """A folder saved with datasets' ``save_to_disk`` (one dataset, or a dict of splits), a loading script's
+    folder, or a folder of data files."""
+    split_flag, split_name = split
+    if os.path.exists(os.path.join(local, f"{os.path.basename(os.path.normpath(local))}.py")):
+        return  # a loading script
+    splits_file = os.path.join(local, "dataset_dict.json")
+    if os.path.exists(splits_file):
+        with open(splits_file) as f:
+            splits = json.load(f).get("splits", [])
+        if split_name not in splits:
+            raise OPPOConfigError(
+                f"{flag} {path} has the splits {', '.join(splits)}, not {split_name!r} ({split_flag}): set "
+                f"{split_flag} to one of them."
+            )
+        local = os.path.join(local, split_name)
+    info_file = os.path.join(local, "dataset_info.json")
+    if os.path.exists(info_file):
+        with open(info_file) as f:
+            features = list(json.load(f).get("features") or {})
+        _check_rows(flag, path, features or None, keys)
+        return
+    files = _data_files(local)
+    if not files:
+        raise OPPOConfigError(
+            f"{flag} {path} is a folder without data files ({', '.join(DATA_FILES)}): give the folder that holds "
+            "them, or a file."
+        )
+    _check_file_rows(flag, f"{path} ({os.path.relpath(files[0], local)})", files[0], keys)
+
+
+def _data_files(folder: str) -> List[str]:
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if os.path.relpath(root, folder).count(os.sep) >= DATA_FOLDER_DEPTH:
+            dirs[:] = []
+        found += [os.path.join(root, name) for name in sorted(files) if _ext(name) in DATA_FILES]
+    return found
+
+
+def _ext(path: str) -> str:
+    return os.path.splitext(path)[1].lower()
+
+
+# -- folders -----------------------------------------------------------------------------------------------------
+
+
+def _written_folders(args) -> List[Tuple[str, str]]:
+    folders = [("--ckpt.output_dir", args.ckpt.output_dir)]
+    best_checkpoints = args.eval.dataset and args.eval.steps > 0 and args.ckpt.best_metric_key != "none"
+    if args.ckpt.save_steps > 0 or best_checkpoints:
+        folders.append(("--ckpt.path", args.ckpt.path))
+    folders += [("--logger.tensorboard_dir", args.logger.tensorboard_dir), ("--oppo.trace_dir", args.oppo.trace_dir)]
+    return [(flag, path) for flag, path in folders if path]
+
+
+def _check_folders(args) -> None:
+    for flag, path in _written_folders(args):
+        check_writable_folder(flag, path)
+
+
+def check_writable_folder(flag: str, path: str) -> None:
+    """``path`` is a folder the run can write, or can be created: its first existing parent is a writable folder.
+    Nothing is created here."""
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise OPPOConfigError(f"{flag} {path} is a file: give a folder, which the run writes into.")
+    existing = full
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise OPPOConfigError(f"{flag} {path} cannot be created: {existing} is a file. Give a path under a folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "it" if existing == full else existing
+        raise OPPOConfigError(
+            f"{flag} {path} cannot be written: {where} is not writable here. Give a folder the run can write."
+        )
+
+
+# -- models ------------------------------------------------------------------------------------------------------
+
+
+def _model_paths(args) -> List[Tuple[str, str]]:
+    paths = [("--actor.model_name_or_path", args.actor.model_name_or_path)]
+    if not (args.reward.remote_url or args.train.agent_func_path):
+        paths += [("--reward.model_name_or_path", path) for path in (args.reward.model_name_or_path or "").split(",")]
+    if args.algo.advantage.estimator == "gae":
+        paths.append(("--critic.model_name_or_path", args.critic.model_name_or_path))
+    return [(flag, path.strip()) for flag, path in paths if path and path.strip()]
+
+
+def _check_models(args) -> None:
+    for flag, path in _model_paths(args):
+        local = os.path.expanduser(path)
+        if not os.path.exists(local):
+            if _looks_local(path):
+                raise OPPOConfigError(
+                    f"{flag} {path} does not exist: give a checkpoint folder or a Hugging Face hub name."
+                )
+            continue  # a hub name
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            what = "is a file" if os.path.isfile(local) else "has no config.json"
+            raise OPPOConfigError(
+                f"{flag} {path} {what}: give a Hugging Face checkpoint folder (config.json, weights, tokenizer) "
+                "or a hub name."
+            )
+    if not args.reward.remote_url and not args.train.agent_func_path and not args.reward.model_name_or_path:
+        raise OPPOConfigError(
+            "No reward: give --reward.model_name_or_path, --reward.remote_url (a URL or a .py reward function) or "
+            "--train.agent_func_path."
+        )
+    # A remote reward may be a local Python function (upstream loads a .py URL as one), as an agent is.
+    python_files = {
+        "--reward.remote_url": args.reward.remote_url,
+        "--train.agent_func_path": args.train.agent_func_path,
+    }
+    for flag, value in python_files.items():
+        # Upstream splits --reward.remote_url at commas after configure: a string here, a list in train().
+        for path in value.split(",") if isinstance(value, str) else value or []:
+            if path.strip().endswith(".py") and not os.path.isfile(os.path.expanduser(path.strip())):
+                raise OPPOConfigError(f"{flag} {path} does not exist: give the path of the Python file.")
+
+
+# -- the KV cache budget -----------------------------------------------------------------------------------------
+
+
+def _scorer_paths(args, roles) -> Dict[str, str]:
+    """The checkpoint each streamed role scores with (upstream's defaults for the critic, the reference is the
+    actor's)."""
+    actor = args.actor.model_name_or_path
+    reward = (args.reward.model_name_or_path or "").split(",")[0].strip() or None
+    remote = args.reward.remote_url or args.train.agent_func_path
+    critic = args.critic.model_name_or_path or (actor if remote else reward)
+    paths = dict(policy=actor, reference=actor, critic=critic, reward=reward)
+    return {role: paths[role] for role in roles if paths.get(role)}
+
+
+def kv_bytes_per_token(path: str) -> Optional[Tuple[int, str]]:
+    """One token's keys and values in the model at ``path`` and how they add up, from its config.json; None where
+    there is no local config with the attention's shape."""
+    try:
+        with open(os.path.join(os.path.expanduser(path), "config.json")) as f:
+            config = json.load(f)
+        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+    how = f"2 x {layers} layers x {kv_heads} KV heads x {head_dim} head dim x {KV_BYTES} bytes"
+    return 2 * layers * kv_heads * head_dim * KV_BYTES, how
+
+
+def _check_cache_budget(args, run_plan) -> None:
+    gib = run_plan.cache_budget_gb
+    budget, tokens = gib * 2**30, args.data.max_len
+    for role, path in _scorer_paths(args, run_plan.streamed_roles).items():
+        per_token = kv_bytes_per_token(path)
+        if per_token is None:
+            continue
+        need = per_token[0] * tokens
+        if budget < need:
+            raise OPPOConfigError(
+                f"--oppo.cache_budget_gb {gib:g} is below one sequence's KV cache in the "
+                f"{role} model ({path}: {per_token[1]} x {tokens} tokens of --data.max_len = {need / 2**30:.3g} "
+                "GiB): every streamed sequence would lose its cache and be scored in full when it ends. Give at "
+                f"least {_round_up(need / 2**30)} GiB (default 4), or a smaller --data.max_len."
+            )
+
+
+def _round_up(gib: float) -> str:
+    """A budget just above ``gib`` with two significant figures."""
+    shown = float(f"{gib:.2g}")
+    return f"{shown if shown >= gib else float(f'{gib * 1.05:.2g}'):g}"
+
+
+# -- the placement -----------------------------------------------------------------------------------------------
+
+
+def placement(args) -> List[Tuple[List[str], int]]:
+    """The GPU groups the run asks Ray for: (the models and engines sharing the group, its GPUs).
+
+    Upstream's ``train`` (0.11.2): the actor has its GPUs; the reference shares them under
+    ``--train.colocate_actor_ref`` or ``--train.colocate_all``; the critic and the reward share the critic's under
+    ``--train.colocate_critic_reward``, else the actor's under ``--train.colocate_all``; the vLLM engines share the
+    actor's under ``--train.colocate_all`` (not in async mode); any other has GPUs of its own. With
+    ``--oppo.colocate_models`` (``placement.train``) every model is on the actor's GPUs and the engines on their
+    own, the reward and reference beside the engines under ``--oppo.frozen_scorers_on generation``.
+    """
+
+    def gpus(group):
+        return getattr(args, group).num_nodes * getattr(args, group).num_gpus_per_node
+
+    train = args.train
+    ref = args.algo.kl.init_coef > 0
+    critic = bool(args.critic.model_name_or_path) and args.algo.advantage.estimator == "gae"
+    reward = not (args.reward.remote_url or train.agent_func_path)
+    engines = (args.vllm.num_engines or 0) * args.vllm.tensor_parallel_size
+    frozen = ["ref"] * ref + ["reward"] * reward
+    if args.oppo.colocate_models:
+        beside_vllm = bool(
+            getattr(args.train, "frozen_models_with_vllm", False)
+        )  # extension.configure's, from the plan
+        groups = [(["actor"] + ["critic"] * critic + ([] if beside_vllm else frozen), gpus("actor"))]
+        return groups + [(["vLLM engines"] + (frozen if beside_vllm else []), engines)]
+    actor = ["actor"] + ["ref"] * (ref and (train.colocate_actor_ref or train.colocate_all))
+    groups = [(actor, gpus("actor"))]
+    if ref and "ref" not in actor:
+        groups.append((["ref"], gpus("ref")))
+    if engines and train.colocate_all and not train.async_enable:
+        actor.append("vLLM engines")
+    elif engines:
+        groups.append((["vLLM engines"], engines))
+    if critic and train.colocate_critic_reward:
+        groups.append((["critic"] + ["reward"] * reward, gpus("critic")))
+    elif train.colocate_all:
+        actor += ["critic"] * critic + ["reward"] * reward
+    else:
+        groups += [([name], gpus(name)) for name in ["critic"] * critic + ["reward"] * reward]
+    return groups
+
+
+def plural(count: float, what: str) -> str:
+    return f"{count:g} {what}" + ("" if count == 1 else "s")
+
+
+def local_machine() -> Dict[str, float]:
+    """What a Ray started here would have: the visible CUDA devices and the CPUs."""
+    import torch
+
+    return {"GPU": torch.cuda.device_count(), "CPU": os.cpu_count() or 1}
+
+
+def check_resources(args, have: Dict[str, float], where: str) -> None:
+    """The placement's GPUs, and a CPU for each of them (each GPU's bundle takes one) plus one for the trainer
+    actor, against ``have`` (Ray's resource totals)."""
+    groups = placement(args)
+    gpus = sum(count for _, count in groups)
+    has = f"{have.get('GPU', 0):g}"
+    shown = "; ".join(f"{' + '.join(names)}: {count}" for names, count in groups)
+    nodes = max(getattr(args, group).num_nodes for group in ("actor", "critic", "reward", "ref"))
+    elsewhere = "start it on a Ray cluster that has them (RAY_ADDRESS)"
+    if nodes > 1 and where == "this machine":
+        elsewhere = f"start it on the Ray cluster of the {nodes} nodes it asks for (RAY_ADDRESS)"
+    if have.get("GPU", 0) < gpus:
+        raise OPPOConfigError(
+            f"The placement needs {plural(gpus, 'GPU')} ({shown}) and {where} has {has}: lower the "
+            "--actor/--critic/--reward/--ref.num_gpus_per_node and --vllm.num_engines counts, share GPUs "
+            f"(--train.colocate_all, --oppo.colocate_models), or {elsewhere}."
+        )
+    if have.get("CPU", 0) < gpus + 1:
+        raise OPPOConfigError(
+            f"The placement needs {gpus + 1} CPUs (one for each of its {plural(gpus, 'GPU')}, one for the trainer) and "
+            f"{where} has {have.get('CPU', 0):g}: give Ray more CPUs (ray start --num-cpus) or lower the GPU counts."
+        )
