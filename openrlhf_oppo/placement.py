@@ -54,7 +54,7 @@ def train(args):
     # --- OPPO change: one placement group for the models on the actor's GPUs (upstream: one for actor and
     # reference under colocate_actor_ref / colocate_all, and one for critic and reward under
     # colocate_critic_reward, both removed here), and, with the frozen models beside vLLM, one for the
-    # engines' GPUs (upstream lets create_vllm_engines make it). config.validate checked the GPU counts. ---
+    # engines' GPUs (upstream lets create_vllm_engines make it). plan.resolve checked the GPU counts. ---
     pg = _gpu_group(args.actor.num_nodes * args.actor.num_gpus_per_node)
     frozen_with_vllm = getattr(args.train, "frozen_models_with_vllm", False)  # extension.configure, from the plan
     vllm_pg = _gpu_group(args.vllm.num_engines * args.vllm.tensor_parallel_size) if frozen_with_vllm else None

@@ -241,6 +241,8 @@ def _resolve_lag(work, given, choices) -> None:
                 "no step to be carried: use --oppo.max_lag 2 or more, or --oppo.top_up step_start."
             )
         oppo.max_defer_steps = lag - extra
+    elif "max_lag" not in given:
+        oppo.max_lag = max(lag, oppo.max_defer_steps + extra)  # the deferral limit given sets the bound
     elif oppo.max_defer_steps + extra > lag:
         raise OPPOConfigError(
             f"--oppo.max_defer_steps {oppo.max_defer_steps} lets a group train {oppo.max_defer_steps + extra} weight "

@@ -1,6 +1,6 @@
 """Checks of what a run's flags point at, before Ray starts: one line per problem, naming the flag and the fix.
 
-``config.validate`` checks the flags against each other; this module looks at the files, folders and machine
+``plan.resolve`` checks the flags against each other; this module looks at the files, folders and machine
 they name, which would otherwise fail minutes later inside a Ray actor with a traceback. Each failure is one
 ``config.OPPOConfigError`` (the CLI prints it as ``openrlhf-oppo: error: ...`` and exits).
 

@@ -68,7 +68,7 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
         assert args.vllm.num_engines == gpus // 2 and args.actor.num_gpus_per_node == gpus // 2
     # The run asks Ray for the benchmark's GPUs, no more (a CPU for each and one for the trainer), none fewer.
     preflight.check_resources(args, {"GPU": gpus, "CPU": gpus + 1}, "the machine")
-    with pytest.raises(OPPOConfigError, match=f"The placement needs {gpus} GPUs"):
+    with pytest.raises(OPPOConfigError, match=f"The placement needs {gpus} GPU"):
         preflight.check_resources(args, {"GPU": gpus - 1, "CPU": 64}, "the machine")
 
 

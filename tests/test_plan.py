@@ -236,3 +236,8 @@ def test_a_run_that_would_not_fit_is_refused_before_ray_starts(models):
                 models["qwen2.5-3b"], 4096, "--vllm.enable_sleep", "--oppo.enable", "--oppo.gpu_memory_gb", "40"
             )
         )
+
+
+def test_a_deferral_limit_given_alone_sets_the_lag_bound(models):
+    plan = resolve(parse_args(_split(models["qwen2.5-1.5b"], 2) + ["--oppo.enable", "--oppo.max_defer_steps", "4"]))
+    assert (plan.max_defer_steps, plan.max_lag) == (4, 4)

@@ -44,16 +44,38 @@ class Row:
 
 
 @lru_cache(maxsize=None)
-def _parsed(flags: tuple):
+def _parsed(flags: tuple, shape: str):
     from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
     with contextlib.redirect_stdout(io.StringIO()):  # the plan's log line
-        return parse_args(list(flags))
+        return parse_args([_on_this_machine(flag, shape) for flag in flags])
 
 
-def _args(flags: list):
-    """The namespace upstream's ``train`` would get for ``flags`` (parsed once; the estimate only reads it)."""
-    return _parsed(tuple(flags))
+@lru_cache(maxsize=None)
+def _stand_in_folder(shape: str) -> str:
+    """Where a stored run's ``WORKDIR`` and ``SCRATCH`` point here: its checkpoints' configs (the preflight looks
+    for them, and the plan reads the shapes from them) and a prompt."""
+    import json
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="memory-check-")
+    for model in ("actor", "reward"):
+        tiny.qwen2_config(shape).save_pretrained(os.path.join(folder, "models", model))
+    with open(os.path.join(folder, "prompts.jsonl"), "w") as f:
+        f.write(json.dumps(dict(input="1 + 1 =", length=1, answer="2")) + "\n")
+    return folder
+
+
+def _on_this_machine(flag: str, shape: str) -> str:
+    for placeholder in ("WORKDIR", "SCRATCH"):
+        flag = flag.replace(placeholder, _stand_in_folder(shape))
+    return flag.replace("$PWD", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _args(flags: list, shape: str = "tiny"):
+    """The namespace upstream's ``train`` would get for ``flags`` (parsed once; the estimate only reads it), its
+    checkpoints of ``shape``."""
+    return _parsed(tuple(flags), shape)
 
 
 def gpu_gib(results: dict) -> float:
@@ -65,8 +87,18 @@ def run_estimate(results: dict, result: dict) -> memory.Estimate:
     shape = memory.model_shape(tiny.qwen2_config(results["settings"]["shape"]))
     shapes = dict(policy=shape, reference=shape, critic=shape, reward=shape)
     longest = results["settings"]["prompt_tokens"] + results["workload"]["max_length"]
-    args = _args(result["flags"])
+    args = _args(result["flags"] + _plan_flags(result["flags"], gpu_gib(results)), results["settings"]["shape"])
     return memory.estimate(args, memory.Layout.from_args(args), gpu_gib(results), shapes=shapes, longest=longest)
+
+
+def _plan_flags(flags: list, gpu_gib: float) -> list:
+    """A system given ``--oppo.enable`` alone ran the plan, which read its GPU's memory: the rebuild gives it that
+    GPU's. The others pinned their mechanisms, as the plan's speed-for-memory choices keep them here."""
+    if "--oppo.enable" not in flags:
+        return []
+    if {flag for flag in flags if flag.startswith("--oppo.")} <= {"--oppo.enable", "--oppo.colocate_models"}:
+        return ["--oppo.gpu_memory_gb", f"{gpu_gib:.1f}"]
+    return ["--oppo.memory_flags", "as_given"]
 
 
 def speed_runs(results_dir: str):

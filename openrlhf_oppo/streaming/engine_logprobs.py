@@ -6,9 +6,9 @@ same weights and is idle. So the engine scores each finished sequence with vLLM'
 request over prompt and response), moving the policy's prefill to the engines' GPUs.
 
 Pitfalls: vLLM's kernels are not the training forward's, so in bf16 these match upstream's only to kernel noise
-(``docs/design.md``, "Equal scores"); prompt log-probs come from raw logits, so the temperature must be 1
-(``config.validate``); vLLM refuses a prompt that fills ``max_model_len``, so a response cut at the length limit
-gets no score here and the experience maker scores it with the policy's forward.
+(``docs/design.md``, "Equal scores"); prompt log-probs come from raw logits, so the temperature must be 1 (the
+plan checks it); vLLM refuses a prompt that fills ``max_model_len``, so a response cut at the length limit gets no
+score here and the experience maker scores it with the policy's forward.
 
 A sequence scored with older weights than the engine's when it is collected is scored again. Nothing is scored
 while the policy's chunks are held (training); the trainer releases them once the weight sync ends.
