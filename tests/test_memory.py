@@ -9,6 +9,7 @@ Every actor's CPU time is logged per step.
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -16,6 +17,9 @@ from openrlhf.trainer.ray.launcher import RayActorGroup
 
 from openrlhf_oppo import tiny
 from openrlhf_oppo.testing import cpu_pipeline
+
+# --train.agent_func_path: the engine grades its samples itself (the grading_engine fixture).
+GRADING_AGENT = str(Path(__file__).parent / "data" / "grading_engine.py")
 
 pytestmark = pytest.mark.engine
 
@@ -76,7 +80,7 @@ def test_no_leak_over_200_steps_with_filtering_and_evaluation(checkpoints, gradi
         "--train.batch_size", "4",
         "--train.micro_batch_size", "2",
         "--train.num_episodes", str(STEPS // 3 + 2),
-        "--train.agent_func_path", "grading_engine.py",  # the engine's agent gives the rewards
+        "--train.agent_func_path", GRADING_AGENT,  # the engine's agent gives the rewards
         "--algo.dynamic_filtering_enable",
         "--eval.dataset", evals, "--eval.steps", "10", "--eval.n_samples_per_prompt", "2",
         "--oppo.enable", "--oppo.overcommit", str(DELTA), "--oppo.chunk_size", "4",

@@ -10,6 +10,7 @@ Everything a resume restores lives in the trainer actor, which each run starts a
 import functools
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import ray
@@ -18,6 +19,9 @@ from openrlhf.trainer.ray.launcher import RayActorGroup
 
 from openrlhf_oppo import tiny
 from openrlhf_oppo.testing import cpu_pipeline
+
+# --train.agent_func_path: the engine grades its samples itself (the grading_engine fixture).
+GRADING_AGENT = str(Path(__file__).parent / "data" / "grading_engine.py")
 
 pytestmark = pytest.mark.engine
 
@@ -56,7 +60,7 @@ def _train(workdir, prompts, checkpoints, policy, engine, record, *extra):
         "--train.num_episodes", "2",
         "--algo.advantage.estimator", "reinforce",
         "--algo.kl.init_coef", "0",
-        "--train.agent_func_path", "grading_engine.py",  # the engine's agent gives the rewards
+        "--train.agent_func_path", GRADING_AGENT,  # the engine's agent gives the rewards
         "--oppo.enable", "--oppo.intra_step", "off",
         *extra,
     )  # fmt: skip

@@ -6,6 +6,7 @@ Checks the oppo/* metrics in OpenRLHF's tensorboard log, the traces, and checkpo
 import glob
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,9 @@ import torch
 from openrlhf_oppo import tiny
 from openrlhf_oppo.bench.report import read_steps
 from openrlhf_oppo.testing import cpu_pipeline
+
+# --train.agent_func_path: the engine grades its samples itself (the grading_engine fixture).
+GRADING_AGENT = str(Path(__file__).parent / "data" / "grading_engine.py")
 
 pytestmark = pytest.mark.engine
 
@@ -146,6 +150,7 @@ class _Group:
 def _state_moves_trainer(monkeypatch, log, frozen_policy=False, vllm_asleep=True, critic_catch_up="next_step"):
     """What ``OPPOTrainer``'s state-move methods read, with ``ray.get`` logging each wait."""
     from openrlhf_oppo import trainer as trainer_module
+    from openrlhf_oppo.plan import Plan
 
     def get(refs):
         log.extend(f"{ref} awaited" for ref in refs)
@@ -156,8 +161,8 @@ def _state_moves_trainer(monkeypatch, log, frozen_policy=False, vllm_asleep=True
         args=SimpleNamespace(
             critic=SimpleNamespace(freezing_steps=5 if frozen_policy else -1),
             vllm=SimpleNamespace(enable_sleep=vllm_asleep),
-            oppo=SimpleNamespace(critic_catch_up=critic_catch_up),
         ),
+        plan=Plan(enabled=True, critic_catch_up=critic_catch_up, vllm_sleeps=vllm_asleep),
         coordinator=SimpleNamespace(
             catch_up=lambda role, streams: log.append(  # the coordinator releases the role without a next batch
                 f"release {role}" if streams is None else f"catch_up {role} {' '.join(streams)}"
@@ -342,7 +347,7 @@ def test_filtered_and_edited_samples_are_discarded_and_evaluation_is_not_streame
         checkpoints, grading_engine, tmp_path, prompts,
         "--oppo.enable", "--oppo.overcommit", "0", "--oppo.chunk_size", "4",
         # The engine's executor is the agent; the flag tells upstream's checks that rewards come with samples.
-        "--algo.dynamic_filtering_enable", "--train.agent_func_path", "grading_engine.py",
+        "--algo.dynamic_filtering_enable", "--train.agent_func_path", GRADING_AGENT,
         "--eval.dataset", evals, "--eval.steps", "1", "--eval.n_samples_per_prompt", "2",
         "--train.num_episodes", "2",
     )  # fmt: skip

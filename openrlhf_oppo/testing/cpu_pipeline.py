@@ -24,14 +24,15 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
-from openrlhf_oppo.config import OPTIONS
+from openrlhf_oppo.config import ALL_OPTIONS as OPTIONS
 from openrlhf_oppo.coordinator import StreamCoordinator
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController
+from openrlhf_oppo.plan import resolve
 from openrlhf_oppo.protocol import ROLES, ScorerSettings, StreamSettings
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming import actors
-from openrlhf_oppo.streaming.rollout import CONCURRENCY_GROUPS, OPPORolloutActor
+from openrlhf_oppo.streaming.rollout import CONCURRENCY_GROUPS, BoundActorClass, OPPORolloutActor
 from openrlhf_oppo.trainer import StepSamplesGenerator
 from openrlhf_oppo.weight_sync import OPPOWorkerWrap
 
@@ -355,6 +356,8 @@ class CPUPipeline:
             paths = dict(policy=actor_path, reference=actor_path, reward=reward_path, critic=reward_path)
             for role in roles:
                 cls = ACTOR_CLASSES[role]
+                if args.oppo.enable:  # as extension.configure binds the run's plan
+                    cls = BoundActorClass(cls, dict(plan=resolve(args)))
                 # ``ranks`` "nodes" of one GPU each: a group of several GPUs per node reserves them in a placement
                 # group, which never comes up on a machine without GPUs.
                 count = ranks[role] if isinstance(ranks, dict) else ranks
