@@ -29,6 +29,7 @@ def test_committed_table_is_made_from_the_raw_results(folder, tmp_path):
         assert (tmp_path / "breakdown.png").stat().st_size > 0 and (tmp_path / "timeline.png").stat().st_size > 0
 
 
+@pytest.mark.process
 def test_results_page_opens_with_the_summary_made_from_the_raw_json(tmp_path):
     """``report --summary docs/results/*/ --into docs/RESULTS.md`` leaves the committed page as it is."""
     page = tmp_path / "RESULTS.md"
@@ -299,6 +300,7 @@ def test_committed_raw_results_give_no_machine_folders():
     assert not into_checkout.search('"$PWD/openrlhf_oppo/trainer.py"')
 
 
+@pytest.mark.process  # git
 def test_results_record_the_commit_of_the_code():
     from openrlhf_oppo.bench.__main__ import _commit
 
