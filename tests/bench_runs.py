@@ -7,6 +7,7 @@ result a command line.
 """
 
 import json
+import subprocess
 import sys
 import traceback
 
@@ -41,6 +42,15 @@ def check(argv: list) -> dict:
     finally:
         deepspeed.DeepspeedStrategy, sys.argv = strategy, saved_argv
     return dict(shape=args.shape, runs=len(runs))
+
+
+def check_patched(patched: str, commands: list) -> list:
+    """``check`` of each of ``commands`` in one interpreter with the patched copy ``patched`` first on its path."""
+    result = subprocess.run(
+        [sys.executable, __file__, patched], input=json.dumps(commands), capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.split("RESULTS ", 1)[1])
 
 
 def _check_or_error(argv: list) -> dict:

@@ -80,6 +80,15 @@ def cli_help():
 
 
 @pytest.fixture(scope="session")
+def patched_openrlhf(tmp_path_factory) -> str:
+    """A copy of the installed openrlhf with patches/openrlhf applied (what ``bench --upstream_patches`` runs on):
+    the folder to put first on the path."""
+    from openrlhf_oppo.bench.patched_upstream import make_patched_copy
+
+    return make_patched_copy(str(tmp_path_factory.mktemp("patched") / "root"))
+
+
+@pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     from openrlhf_oppo import tiny
 

@@ -75,22 +75,11 @@ def benchmark_commands(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def patched_checks(benchmark_commands, tmp_path_factory):
+def patched_checks(benchmark_commands, patched_openrlhf):
     """``bench_runs.check`` of every command line with ``--upstream_patches``, in one interpreter that imports the
-    patched copy of OpenRLHF those runs would import (made once for every script)."""
-    from openrlhf_oppo.bench.patched_upstream import make_patched_copy
-
-    patched = make_patched_copy(str(tmp_path_factory.mktemp("patched") / "openrlhf-patched"))
+    patched copy of OpenRLHF those runs would import."""
     wanted = [argv for argv in benchmark_commands if "--upstream_patches" in argv]
-    result = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "bench_runs.py"), patched],
-        input=json.dumps(wanted),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    checks = json.loads(result.stdout.split("RESULTS ", 1)[1])
+    checks = bench_runs.check_patched(patched_openrlhf, wanted)
     return {json.dumps(argv): check for argv, check in zip(wanted, checks)}
 
 

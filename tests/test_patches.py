@@ -23,7 +23,7 @@ import pytest
 from conftest import run_together
 from forking_python import ForkingPython
 
-from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
+from openrlhf_oppo.bench.patched_upstream import patches
 
 pytestmark = pytest.mark.process
 
@@ -35,9 +35,8 @@ STACK = "import deepspeed, ray, torch, transformers, vllm, openrlhf.trainer.ppo_
 
 
 @pytest.fixture(scope="module")
-def patched(tmp_path_factory):
-    """A copy of the installed openrlhf with the patches applied (what ``bench --upstream_patches`` runs on)."""
-    return Path(make_patched_copy(str(tmp_path_factory.mktemp("patched") / "root")))
+def patched(patched_openrlhf):
+    return Path(patched_openrlhf)
 
 
 def _path_first(patched) -> str:
