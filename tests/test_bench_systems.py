@@ -286,6 +286,7 @@ def test_oppo_tag_names_the_oppo_systems_only(monkeypatch):
     assert names == ["upstream-sync-seed1", "oppo-both-seed1-vllm-0.15"]
 
 
+@pytest.mark.process
 def test_a_system_run_again_reads_its_own_steps_only(tmp_path, monkeypatch):
     """Two runs of one system in one scratch folder (two --tag variants) log to the same tensorboard folder;
     the second run's steps must not take the first one's keys."""

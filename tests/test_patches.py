@@ -5,11 +5,14 @@ last step resumes in the next episode, the critic's training awaited first with 
 sleep-mode branch a method, CPU Adam on the host's cores, awake colocated engines up before the models load,
 ppo_train's metrics read to the host once per fit, the rollouts' min_tokens a flag;
 the bucketed weight sync of 0007 runs against a real engine in test_weight_sync.py, and 0016's evaluation in
-one dispatch in test_streaming_pipeline.py)."""
+one dispatch in test_streaming_pipeline.py).
+
+Each check runs as a fresh interpreter would, in a fork of one that imported the patched (or the released)
+OpenRLHF once (``forking_python.py``); the prompt order, which must be the same in two processes, and the
+training helper run in fresh interpreters side by side."""
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -17,25 +20,48 @@ from pathlib import Path
 import openrlhf
 import pytest
 
-from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
+from conftest import run_together
+from forking_python import ForkingPython
+
+from openrlhf_oppo.bench.patched_upstream import patches
+
+pytestmark = pytest.mark.process
 
 PATCHES = patches()
 BASE = "--actor.model_name_or_path m --reward.model_name_or_path m --vllm.num_engines 1 --rollout.batch_size 16"
 BASE += "".join(f" --{role}.num_gpus_per_node 2" for role in ("actor", "critic", "reward", "ref"))
+# What the snippets import: loaded once by each forking interpreter.
+STACK = "import deepspeed, ray, torch, transformers, vllm, openrlhf.trainer.ppo_trainer, openrlhf.trainer.ray.launcher"
 
 
 @pytest.fixture(scope="module")
-def patched(tmp_path_factory):
-    """A copy of the installed openrlhf with the patches applied (what ``bench --upstream_patches`` runs on)."""
-    return Path(make_patched_copy(str(tmp_path_factory.mktemp("patched") / "root")))
+def patched(patched_openrlhf):
+    return Path(patched_openrlhf)
 
 
-def run(patched, code):
-    """``code`` in a fresh interpreter that imports the patched openrlhf first."""
-    preamble = f"import sys; sys.path.insert(0, {str(patched)!r})\n"
-    result = subprocess.run(
-        [sys.executable, "-c", preamble + textwrap.dedent(code)], capture_output=True, text=True, timeout=300
-    )
+def _path_first(patched) -> str:
+    return f"import sys; sys.path.insert(0, {str(patched)!r})  # before anything imports openrlhf\n"
+
+
+@pytest.fixture(scope="module")
+def patched_python(patched):
+    """An interpreter with the patched openrlhf first on its path; each snippet runs in a fork of it."""
+    python = ForkingPython(_path_first(patched) + STACK)
+    yield python
+    python.close()
+
+
+@pytest.fixture(scope="module")
+def released_python():
+    """The same with OpenRLHF as released (installed)."""
+    python = ForkingPython(STACK)
+    yield python
+    python.close()
+
+
+def run(python, code):
+    """``code`` as a fresh interpreter of ``python``'s openrlhf runs it (a fork of ``ForkingPython``)."""
+    result = python.run(textwrap.dedent(code))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result.stdout
 
@@ -61,9 +87,9 @@ def test_there_are_patches():
     ]
 
 
-def test_upstream_cli_loads_oppo_as_an_extension(patched):
+def test_upstream_cli_loads_oppo_as_an_extension(patched, patched_python):
     out = run(
-        patched,
+        patched_python,
         f"""
         import runpy, sys
         import openrlhf, openrlhf.utils, ray
@@ -95,9 +121,9 @@ def test_upstream_cli_loads_oppo_as_an_extension(patched):
     assert "colocate_models True" in out and "'policy', 'critic', 'reward', 'reference'" in out
 
 
-def test_oppo_wrapper_works_with_the_patches(patched):
+def test_oppo_wrapper_works_with_the_patches(patched_python):
     out = run(
-        patched,
+        patched_python,
         f"""
         from openrlhf_oppo.cli.train_ppo_ray import parse_args
         from openrlhf_oppo.plan import resolve
@@ -110,13 +136,18 @@ def test_oppo_wrapper_works_with_the_patches(patched):
     assert "overcommit 3 inter True" in out and "enable False" in out
 
 
-def test_patched_cli_help_lists_the_new_placement_sync_and_oppo_options(patched):
+def test_patched_cli_help_lists_the_new_placement_sync_and_oppo_options(patched_python):
     out = run(
-        patched,
+        patched_python,
         """
-        import subprocess, sys
-        help = subprocess.run([sys.executable, "-m", "openrlhf.cli.train_ppo_ray", "--help"],
-                              capture_output=True, text=True, env={"PYTHONPATH": sys.path[0], "PATH": ""}).stdout
+        import contextlib, io, runpy, sys
+        sys.argv, out = ["train_ppo_ray", "--help"], io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+            except SystemExit:
+                pass
+        help = out.getvalue()
         print("colocate_models" in help, "--oppo.enable" in help, "--vllm.sync_bucket_mb" in help)
         """,
     )
@@ -131,13 +162,18 @@ def test_patched_prompt_shuffle_is_the_same_in_every_process(patched):
         strategy.seed = 5
         print([int(i) for i in strategy.setup_dataloader(list(range(64)), 1, True, True, None)])
         """
-    first = run(patched, code).splitlines()[-1]
-    assert first == run(patched, code).splitlines()[-1] != str(list(range(64)))
+    # Two fresh interpreters: forks of one would share its random state whatever the patch does.
+    command = [sys.executable, "-c", _path_first(patched) + textwrap.dedent(code)]
+    orders = []
+    for done in run_together([command, command], timeout=300):
+        assert done.returncode == 0, done.stderr[-4000:]
+        orders.append(done.stdout.splitlines()[-1])
+    assert orders[0] == orders[1] != str(list(range(64)))
 
 
-def test_patched_generator_sends_the_tokenizer_once(patched):
+def test_patched_generator_sends_the_tokenizer_once(patched_python):
     out = run(
-        patched,
+        patched_python,
         """
         from types import SimpleNamespace
         import ray
@@ -172,10 +208,10 @@ def test_patched_generator_sends_the_tokenizer_once(patched):
     assert tokenizers == "[None, None, None, None] [('TOKENIZER',)]"
 
 
-def test_patched_advantages_equal_upstreams_bit_for_bit(patched):
+def test_patched_advantages_equal_upstreams_bit_for_bit(patched_python):
     upstream = Path(openrlhf.__file__).parent / "trainer" / "ppo_utils" / "experience_maker.py"
     out = run(
-        patched,
+        patched_python,
         f"""
         import importlib.util, time, torch
         from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as Patched
@@ -262,19 +298,16 @@ def _episodes_trained_once(steps, prompts):
     return sorted(flat[: len(prompts)]) == sorted(flat[len(prompts) :]) == prompts and len(prompts) in bounds
 
 
-def test_patched_trainer_resumes_an_ended_episode_in_the_next(patched):
+def test_patched_trainer_resumes_an_ended_episode_in_the_next(patched_python, released_python):
     """Upstream's fit, resumed from the checkpoint of every step of two episodes: patched, every prompt is
     trained once an episode; as released, a resume from an episode's last step trains an extra epoch."""
     prompts = ["p0", "p1", "p2", "p3", "p4"]  # B=2: the third step of an episode has one prompt and ends it
-    result = json.loads(run(patched, RESUME_FROM_EVERY_STEP).splitlines()[-1])
+    result = json.loads(run(patched_python, RESUME_FROM_EVERY_STEP).splitlines()[-1])
     assert result["episodes"] == [0, 0, 1, 1, 1, 2]
     assert _episodes_trained_once(result["full"], prompts)
     assert all(_episodes_trained_once(steps, prompts) for steps in result["resumed"])
 
-    released = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(RESUME_FROM_EVERY_STEP)], capture_output=True, text=True, timeout=300
-    )
-    result = json.loads(released.stdout.splitlines()[-1])
+    result = json.loads(run(released_python, RESUME_FROM_EVERY_STEP).splitlines()[-1])
     assert result["episodes"] == [0, 0, 0, 1, 1, 1]
     trained = [sum(len(step) for step in steps) for steps in result["resumed"]]
     assert trained == [10, 10, 15, 10, 10, 15]  # an extra epoch after the resumes from steps 3 and 6
@@ -326,10 +359,10 @@ CRITIC_FIRST = (
 )
 
 
-def test_patched_ppo_train_awaits_the_critic_first_and_calls_the_hook(patched):
+def test_patched_ppo_train_awaits_the_critic_first_and_calls_the_hook(patched_python):
     """Patch 0009: both models start training together; the critic's results are awaited first, then
     on_critic_trained runs while the actor may still train; the status is the same merge of both."""
-    log, status = json.loads(run(patched, CRITIC_FIRST).splitlines()[-1])
+    log, status = json.loads(run(patched_python, CRITIC_FIRST).splitlines()[-1])
     assert log == ["critic fit", "actor fit", "critic awaited", "on_critic_trained", "actor awaited"]
     assert status == {"critic_loss": 1.0, "actor_loss": 1.0}
 
@@ -352,15 +385,13 @@ SLEEP_MODE = (
 )
 
 
-def test_patched_sleep_mode_branch_is_a_method_that_makes_the_same_calls(patched):
+def test_patched_sleep_mode_branch_is_a_method_that_makes_the_same_calls(patched_python, released_python):
     """Patch 0010: in sleep mode ppo_train calls ppo_train_sleeping, which makes upstream's calls in
     upstream's order (reload, fit, offload of the critic, then of the actor) and returns the same status."""
-    hooked, log, status = json.loads(run(patched, SLEEP_MODE).splitlines()[-1])
+    hooked, log, status = json.loads(run(patched_python, SLEEP_MODE).splitlines()[-1])
     assert hooked and log[0] == "ppo_train_sleeping"  # patched, ppo_train goes through the hook
-    released = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SLEEP_MODE)], capture_output=True, text=True, timeout=300
-    )
-    assert json.loads(released.stdout.splitlines()[-1]) == [False, log[1:], status]  # upstream's own calls
+    released = json.loads(run(released_python, SLEEP_MODE).splitlines()[-1])
+    assert released == [False, log[1:], status]  # upstream's own calls
     calls = [entry for entry in log[1:] if not entry.endswith("awaited")]
     assert calls == [
         f"{model} {call}" for model in ("critic", "actor") for call in ("reload_states", "fit", "offload_states")
@@ -368,9 +399,9 @@ def test_patched_sleep_mode_branch_is_a_method_that_makes_the_same_calls(patched
     assert status == {"critic_loss": 1.0, "actor_loss": 1.0}
 
 
-def test_patched_model_actors_give_cpu_adam_the_hosts_cores(patched):
+def test_patched_model_actors_give_cpu_adam_the_hosts_cores(patched, patched_python):
     out = run(
-        patched,
+        patched_python,
         f"""
         import os
         from types import SimpleNamespace
@@ -396,13 +427,13 @@ def test_patched_model_actors_give_cpu_adam_the_hosts_cores(patched):
     assert out.splitlines()[-2:] == [f"True 1 {cores}", "False 1 1"]
 
 
-def test_patched_rollout_actor_leaves_the_text_to_those_that_read_it(patched):
+def test_patched_rollout_actor_leaves_the_text_to_those_that_read_it(patched_python):
     """Patch 0012: the detokenize flag upstream's ``RolloutRayActor.generate`` hands vLLM, for the single-turn
     executor (which decodes the token ids itself), with stop strings (matched on the text), and for a
     multi-turn agent (which reads the text). The engine's outputs under each flag are compared in
     test_streaming_pipeline.py."""
     out = run(
-        patched,
+        patched_python,
         """
         import asyncio
         from types import SimpleNamespace
@@ -429,13 +460,13 @@ def test_patched_rollout_actor_leaves_the_text_to_those_that_read_it(patched):
     assert out.split()[-3:] == ["False", "True", "True"]
 
 
-def test_patched_create_vllm_engines_waits_for_awake_engines_on_the_models_gpus(patched):
+def test_patched_create_vllm_engines_waits_for_awake_engines_on_the_models_gpus(patched_python):
     """Patch 0013: under --train.colocate_all with vLLM awake (a shared placement group, no sleep),
     ``create_vllm_engines`` returns once the engines are up, so that the models load beside a started engine;
     engines on GPUs of their own are not waited for. The engine actor starts as vLLM's does: its creation task
     returns once the engine is up (three seconds here). Ray is told of one GPU, which nothing uses."""
     out = run(
-        patched,
+        patched_python,
         """
         import asyncio, os, tempfile
         import ray
@@ -472,19 +503,16 @@ def test_patched_create_vllm_engines_waits_for_awake_engines_on_the_models_gpus(
     assert out.split()[-2:] == ["True", "False"]
 
 
-def test_patched_ppo_train_reads_its_metrics_once_per_fit(patched, checkpoints):
+def test_patched_ppo_train_reads_its_metrics_once_per_fit(patched_python, released_python, checkpoints):
     """Patch 0014: the actor's and the critic's ppo_train (real training_step, tiny models, CPU) return the same
     status and train the same weights as upstream's, and OpenRLHF's own reads of tensors to the host during a fit
     no longer grow with the micro-batches (on a GPU each read waits for the GPU to finish the micro-batch)."""
-    helper = [sys.executable, str(Path(__file__).parent / "ppo_train_reads_helper.py")]
-    helper += [checkpoints["actor"], checkpoints["reward"]]
-    fits = {}
-    for name, path in (("upstream", ""), ("patched", str(patched))):
-        result = subprocess.run(
-            helper, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": path}
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
-        fits[name] = json.loads(result.stdout.splitlines()[-1])
+    helper = [str(Path(__file__).parent / "ppo_train_reads_helper.py"), checkpoints["actor"], checkpoints["reward"]]
+    script = f"import runpy, sys; sys.argv = {helper!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+    fits = {
+        name: json.loads(run(python, script).splitlines()[-1])
+        for name, python in (("upstream", released_python), ("patched", patched_python))
+    }
     for count in ("4", "8"):
         upstream, patched_fit = fits["upstream"][count], fits["patched"][count]
         assert patched_fit["weights"] == upstream["weights"]
@@ -497,12 +525,12 @@ def test_patched_ppo_train_reads_its_metrics_once_per_fit(patched, checkpoints):
     assert reads["patched"] == [(2, 1), (2, 1)]  # the actor's sums and gradient norm; the critic's means
 
 
-def test_patched_cli_takes_min_new_tokens_to_the_rollouts_sampling(patched):
+def test_patched_cli_takes_min_new_tokens_to_the_rollouts_sampling(patched_python):
     """Patch 0015: ``--rollout.min_new_tokens`` (default 1, upstream's) is parsed, ``train`` hands it to the
     trainer with the other generate kwargs, and upstream's samples generator samples with it as min_tokens. What
     vLLM does with min_tokens 1 and 0 is in test_learning.py."""
     out = run(
-        patched,
+        patched_python,
         f"""
         import ast, inspect
         from types import SimpleNamespace

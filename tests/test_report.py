@@ -32,6 +32,7 @@ def test_each_runs_readme_ends_with_what_its_raw_results_give(folder, tmp_path):
         assert (tmp_path / "breakdown.png").stat().st_size > 0 and (tmp_path / "timeline.png").stat().st_size > 0
 
 
+@pytest.mark.process
 def test_results_page_is_the_summary_of_the_run_folders():
     """``report --summary docs/results/*/ > docs/RESULTS.md`` gives the committed page, short enough to read."""
     made = subprocess.run(
@@ -81,6 +82,7 @@ def test_committed_results_stay_small():
     assert not [path for path in RESULTS.glob("*/*.png") if path.name in report.PLOTS]
 
 
+@pytest.mark.process
 def test_pack_keeps_the_raw_results_and_drops_what_report_redraws(tmp_path):
     """``--pack`` gzips the JSON the benchmark wrote (a plain results.json reads the same), and leaves out
     table.md and the plots; a results.json written after packing is the one read."""
@@ -355,6 +357,7 @@ def test_committed_raw_results_give_no_machine_folders():
     assert not into_checkout.search('"$PWD/openrlhf_oppo/trainer.py"')
 
 
+@pytest.mark.process  # git
 def test_results_record_the_commit_of_the_code():
     from openrlhf_oppo.bench.__main__ import _commit
 

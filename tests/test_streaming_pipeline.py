@@ -246,17 +246,14 @@ def test_evaluation_samples_are_not_streamed(pipeline, connected, workload):
     assert all(stats.waiting == 0 for stats in scorer_stats(pipeline).values())
 
 
-def test_patched_evaluation_sends_the_eval_set_in_one_dispatch(pipeline, workload, monkeypatch, tmp_path):
+def test_patched_evaluation_sends_the_eval_set_in_one_dispatch(pipeline, workload, monkeypatch, patched_openrlhf):
     """Patch 0016: upstream's ``generate_eval_samples`` sends ``--rollout.batch_size`` prompts at a time, each
     batch once the last one has ended; patched, the whole eval set goes to the engine at once. Both evaluate
     every prompt once, with the real engine."""
     import importlib.util
 
-    from openrlhf_oppo.bench.patched_upstream import make_patched_copy
-
-    root = make_patched_copy(str(tmp_path / "patched"))
     spec = importlib.util.spec_from_file_location(
-        "patched_samples_generator", f"{root}/openrlhf/trainer/ppo_utils/samples_generator.py"
+        "patched_samples_generator", f"{patched_openrlhf}/openrlhf/trainer/ppo_utils/samples_generator.py"
     )
     patched = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(patched)

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PATHS = ["openrlhf_oppo", "tests", "examples", "setup.py"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "tool",
     [

@@ -20,7 +20,6 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm import SamplingParams
 
-from openrlhf_oppo.bench.patched_upstream import make_patched_copy
 from openrlhf_oppo.coordinator import StreamCoordinator
 from openrlhf_oppo.testing.cpu_pipeline import GlooGroup, scorer_settings, stream_settings
 from openrlhf_oppo.weight_sync import (
@@ -247,11 +246,10 @@ def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, g
 
 
 @pytest.mark.engine
-def test_patched_upstream_sync_loads_the_new_weights(ray_session, engine, weights, tmp_path):
+def test_patched_upstream_sync_loads_the_new_weights(ray_session, engine, weights, patched_openrlhf):
     """patches/openrlhf/0007: upstream's patched sender, engine call and worker method, against this engine."""
-    patched = make_patched_copy(str(tmp_path / "patched"))
     helper = os.path.join(os.path.dirname(__file__), "patched_sync_helper.py")
-    argv = [ray_session, patched, weights.model.name_or_path, weights.paths["new"], str(64 / 1024)]
+    argv = [ray_session, patched_openrlhf, weights.model.name_or_path, weights.paths["new"], str(64 / 1024)]
     try:
         result = subprocess.run([sys.executable, helper, *argv], capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]

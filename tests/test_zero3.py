@@ -16,6 +16,7 @@ import socket
 from datetime import timedelta
 from types import SimpleNamespace
 
+import pytest
 import torch
 from test_scorer import TEMPERATURE, TOLERANCE, make_batch
 
@@ -23,6 +24,8 @@ from openrlhf_oppo.protocol import Chunk
 from openrlhf_oppo.streaming import actors
 from openrlhf_oppo.streaming.zero3 import is_partitioned
 from openrlhf_oppo.testing.cpu_pipeline import scorer_settings
+
+pytestmark = pytest.mark.process  # the ranks are processes of their own
 
 WORLD_SIZE = 2
 CHUNK_SIZES = (3, 16)  # per rank
