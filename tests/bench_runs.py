@@ -12,9 +12,10 @@ import sys
 import traceback
 
 
-def check(argv: list) -> dict:
+def check(argv: list, workdir: str) -> dict:
     """``argv`` is what follows ``python -m openrlhf_oppo.bench``: the harness's options, then every run's flags
-    through ``parse_args``. Returns the shape and the count of runs."""
+    through ``parse_args``, on the checkpoints and prompts of ``workdir`` (the ``bench_workdir`` fixture's: the
+    preflight looks for them). Returns the shape and the count of runs."""
     from openrlhf.utils import deepspeed
 
     from openrlhf_oppo.cli.train_ppo_ray import parse_args
@@ -26,7 +27,7 @@ def check(argv: list) -> dict:
 
             args = learning.parse(argv)
             runs = [
-                learning.run_flags("/w", "/o", f"{system}-seed{seed}", system, int(seed), args)
+                learning.run_flags(workdir, f"{workdir}/out", f"{system}-seed{seed}", system, int(seed), args)
                 for system in args.systems.split(",")
                 for seed in args.seeds.split(",")
             ]
@@ -36,7 +37,7 @@ def check(argv: list) -> dict:
             sys.argv = ["openrlhf_oppo.bench", *argv]
             args = bench.parse()
             systems = [system for system in args.systems.split(",") if system]
-            runs = [bench.system_command(args, system, "/w", args.overcommit) for system in systems]
+            runs = [bench.system_command(args, system, workdir, args.overcommit) for system in systems]
         for flags in runs:
             parse_args(flags)
     finally:
@@ -44,22 +45,26 @@ def check(argv: list) -> dict:
     return dict(shape=args.shape, runs=len(runs))
 
 
-def check_patched(patched: str, commands: list) -> list:
+def check_patched(patched: str, commands: list, workdir: str) -> list:
     """``check`` of each of ``commands`` in one interpreter with the patched copy ``patched`` first on its path."""
     result = subprocess.run(
-        [sys.executable, __file__, patched], input=json.dumps(commands), capture_output=True, text=True, timeout=600
+        [sys.executable, __file__, patched, workdir],
+        input=json.dumps(commands),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.split("RESULTS ", 1)[1])
 
 
-def _check_or_error(argv: list) -> dict:
+def _check_or_error(argv: list, workdir: str) -> dict:
     try:
-        return check(argv)
+        return check(argv, workdir)
     except BaseException:  # noqa: BLE001 - argparse's errors are SystemExit
         return dict(error=traceback.format_exc())
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, sys.argv.pop(1))  # before anything imports openrlhf
-    print("RESULTS", json.dumps([_check_or_error(argv) for argv in json.load(sys.stdin)]))
+    sys.path.insert(0, sys.argv[1])  # before anything imports openrlhf
+    print("RESULTS", json.dumps([_check_or_error(argv, sys.argv[2]) for argv in json.load(sys.stdin)]))

@@ -122,10 +122,10 @@ def test_every_train_ppo_ray_command_parses(where, argv, cli_help, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def patched_bench_checks(patched_openrlhf):
+def patched_bench_checks(patched_openrlhf, bench_workdir):
     """``bench_runs.check`` of the benchmark commands with ``--upstream_patches``, with the patched parser."""
     wanted = [argv for _, argv in BENCH_COMMANDS if "--upstream_patches" in argv]
-    return dict(zip(map(tuple, wanted), bench_runs.check_patched(patched_openrlhf, wanted)))
+    return dict(zip(map(tuple, wanted), bench_runs.check_patched(patched_openrlhf, wanted, bench_workdir)))
 
 
 def _bench_params():
@@ -135,14 +135,14 @@ def _bench_params():
 
 
 @pytest.mark.parametrize("where, argv", _bench_params())
-def test_every_benchmark_command_starts_valid_runs(where, argv, request):
+def test_every_benchmark_command_starts_valid_runs(where, argv, request, bench_workdir):
     """The benchmark's options, then every run's ``train_ppo_ray`` command line, through their parsers (the
     patched copy's where the command asks for it)."""
     if "--upstream_patches" in argv:
         checked = request.getfixturevalue("patched_bench_checks")[tuple(argv)]
         assert "error" not in checked, f"{where}: {checked.get('error')}"
     else:
-        checked = bench_runs.check(argv)
+        checked = bench_runs.check(argv, bench_workdir)
     assert checked["runs"] > 0, where
 
 

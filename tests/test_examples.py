@@ -75,17 +75,17 @@ def benchmark_commands(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def patched_checks(benchmark_commands, patched_openrlhf):
+def patched_checks(benchmark_commands, patched_openrlhf, bench_workdir):
     """``bench_runs.check`` of every command line with ``--upstream_patches``, in one interpreter that imports the
     patched copy of OpenRLHF those runs would import."""
     wanted = [argv for argv in benchmark_commands if "--upstream_patches" in argv]
-    checks = bench_runs.check_patched(patched_openrlhf, wanted)
+    checks = bench_runs.check_patched(patched_openrlhf, wanted, bench_workdir)
     return {json.dumps(argv): check for argv, check in zip(wanted, checks)}
 
 
 @pytest.mark.process
 @pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[f"{s}-{i}" for i, (s, _, _) in enumerate(VARIANTS)])
-def test_benchmark_script_validates_every_run(variant, benchmark_commands, patched_checks):
+def test_benchmark_script_validates_every_run(variant, benchmark_commands, patched_checks, bench_workdir):
     """Each benchmark script, with its defaults and with the settings its comments suggest: every run it would
     start is a command line that upstream's parser and OPPO's checks accept (those of the patched copy where the
     script asks for it), so none fails on a GPU machine for a flag."""
@@ -94,7 +94,7 @@ def test_benchmark_script_validates_every_run(variant, benchmark_commands, patch
         checked = patched_checks[json.dumps(argv)]
         assert "error" not in checked, checked.get("error")
     else:
-        checked = bench_runs.check(argv)
+        checked = bench_runs.check(argv, bench_workdir)
     assert checked["runs"] > 0
     env = VARIANTS[variant][1]
     if "SHAPE" in env:
@@ -103,10 +103,12 @@ def test_benchmark_script_validates_every_run(variant, benchmark_commands, patch
 
 @pytest.mark.process
 @pytest.mark.parametrize("script", LAUNCH)
-def test_launch_script_parses(script, tmp_path):
+def test_launch_script_parses(script, tmp_path, checkpoints):
     """Each launch script runs one command line that upstream's parser and OPPO's checks accept; the
     ``*_upstream.sh`` twins run OpenRLHF alone (no ``--oppo.enable``)."""
-    recorded = _commands(["bash", str(SCRIPTS / script)], _recorder(tmp_path), script, dict(REWARD_MODEL="/models/rm"))
+    recorded = _commands(
+        ["bash", str(SCRIPTS / script)], _recorder(tmp_path), script, dict(REWARD_MODEL=checkpoints["reward"])
+    )
     assert [argv[:2] for argv in recorded] == [["-m", "openrlhf_oppo.cli.train_ppo_ray"]], recorded
     args = parse_args(recorded[0][2:])
     assert args.oppo.enable == (not script.endswith("_upstream.sh"))
@@ -151,7 +153,7 @@ def test_generation_gap_behind_the_tokenizer_caveat_is_what_the_results_say(monk
         ("split-2gpu-1.5b-lognormal-unpatched-intra-vs-inter", "4.86"),
     ):
         script = SCRIPTS / "generation_gap.py"
-        monkeypatch.setattr(sys, "argv", [str(script), str(results / run / "results.json")])
+        monkeypatch.setattr(sys, "argv", [str(script), str(results / run / "results.json.gz")])
         runpy.run_path(str(script), run_name="__main__")
         out = capsys.readouterr().out
         assert out == (results / run / "generation-gap.txt").read_text()
