@@ -1,0 +1,151 @@
+"""Predictions: each system's flags from a sync run's, their simulated steps, and what to print of them."""
+
+import random
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional
+
+from openrlhf_oppo import config
+from openrlhf_oppo.predict import costs as costs_
+from openrlhf_oppo.predict import runs as runs_
+from openrlhf_oppo.predict import simulate
+from openrlhf_oppo.predict.simulate import Costs, Step
+
+ASYNC_FLAGS = ["--train.async_enable", "--train.partial_rollout_enable"]
+
+
+@dataclass
+class Prediction:
+    """One system's simulated steps over the measured window, or why it cannot run."""
+
+    name: str
+    kind: str = ""  # sync, async or oppo
+    steps: List[Step] = field(default_factory=list)
+    plan: str = ""  # what the system does (OPPO: its resolved plan)
+    lag_bound: Optional[int] = None
+    refused: str = ""  # why the placement cannot run it
+
+    def mean(self, key: str) -> float:
+        return statistics.mean(getattr(s, key) for s in self.steps)
+
+    @property
+    def step_s(self) -> float:
+        return self.mean("wall_s")
+
+    @property
+    def bound_s(self) -> float:
+        return self.mean("bound_s")
+
+    @property
+    def set_by(self) -> str:
+        """What the bound is: the engines' decoding, or the largest phase on the models' GPUs."""
+        if self.mean("engines_busy_s") >= self.mean("models_busy_s"):
+            return "generation"
+        phases = {"training": "train_s", "weight sync": "sync_s", "make_experience": "experience_s"}
+        return max(phases, key=lambda p: self.mean(phases[p]))
+
+    @property
+    def waits_on(self) -> str:
+        """What the step waits for past its bound: the generation phase, where it is the largest wait."""
+        idle = self.step_s - self.bound_s
+        generation = self.mean("generation_s")
+        if self.kind != "sync" and generation > 0.25 * max(idle, 0.0) and generation > 0.05 * self.step_s:
+            return "generation tail"
+        return "-"
+
+
+def simulate_system(kind: str, costs: Costs, setup, plan, lengths: List[int], steps: int) -> List[Step]:
+    if kind == "sync":
+        return simulate.simulate_sync(costs, setup, lengths, steps)
+    if kind == "async":
+        return simulate.simulate_async(costs, setup, lengths, steps)
+    return simulate.simulate_oppo(costs, setup, plan, lengths, steps)
+
+
+def async_flags(sync_flags: list):
+    """Upstream's async trainer with partial rollout in the sync run's placement, or the reason it has none:
+    ``--oppo.colocate_models`` becomes ``--train.colocate_all``, which in async mode places only the models."""
+    flags = [f for f in sync_flags if f not in ASYNC_FLAGS]
+    if "--train.colocate_all" in flags:
+        return "upstream's async trainer needs GPUs of its own for vLLM (this run shares them with the models)"
+    if "--oppo.colocate_models" in flags:
+        flags[flags.index("--oppo.colocate_models")] = "--train.colocate_all"
+    return flags + ASYNC_FLAGS
+
+
+def oppo_flags(sync_flags: list, extra: list = ()) -> list:
+    """OPPO on the sync run's placement: ``--oppo.enable`` and the user's ``--oppo.*`` flags, the rest as it ran."""
+    return [f for f in sync_flags if f != "--oppo.enable"] + ["--oppo.enable"] + list(extra)
+
+
+def predict_systems(costs: Costs, lengths: List[int], prompt_tokens: int, flags: Dict[str, object], warmup: int,
+                    measured: int) -> Dict[str, Prediction]:  # fmt: skip
+    """Each system's steps ``warmup`` to ``warmup + measured`` (``flags``: a system's flags, or the reason it
+    cannot run)."""
+    out = {}
+    for name, system_flags in flags.items():
+        if isinstance(system_flags, str):
+            out[name] = Prediction(name, refused=system_flags)
+            continue
+        try:
+            args = runs_.parse_flags(system_flags)
+        except (ValueError, config.OPPOConfigError) as error:
+            out[name] = Prediction(name, refused=str(error))
+            continue
+        kind, setup, plan = runs_.system_of(args), runs_.setup_of(args, prompt_tokens), runs_.plan_of(args)
+        if plan.delta_auto:
+            plan = replace(plan, delta=settled_delta(costs, setup, plan, lengths), delta_auto=False)
+        steps = simulate_system(kind, costs, setup, plan, lengths, warmup + measured)[warmup:]
+        if not steps:
+            out[name] = Prediction(name, kind=kind, refused="the workload's prompts run out before the measured steps")
+            continue
+        describe = {"sync": "upstream's sync trainer", "async": "upstream's async trainer, partial rollout"}
+        bound = args.oppo.max_defer_steps + (1 if args.oppo.top_up == "step_end" else 0) if plan.delta else None
+        out[name] = Prediction(
+            name,
+            kind=kind,
+            steps=steps,
+            plan=describe.get(kind) or _oppo_plan(args, plan),
+            lag_bound=bound if kind == "oppo" else (1 if kind == "async" else 0),
+        )
+    return out
+
+
+def settled_delta(costs: Costs, setup, plan, lengths: List[int], steps: int = 60) -> int:
+    """Where ``--oppo.overcommit auto`` leaves Delta: the controller's rule over ``steps`` steps of the workload
+    (repeated in new orders where it is shorter, as further episodes would draw it)."""
+    per_step = setup.batch * setup.n_samples
+    longer, rng = list(lengths), random.Random(0)
+    while len(longer) < (steps + 4) * per_step:
+        more = list(lengths)
+        rng.shuffle(more)
+        longer += more
+    sim = simulate.OPPOSim(costs, setup, plan, longer)
+    for _ in range(steps):
+        if sim.step() is None:
+            break
+    return sim.controller.delta
+
+
+def _oppo_plan(args, plan) -> str:
+    text = config.describe(args).removeprefix("OPPO on: ")
+    if args.oppo.overcommit == "auto":
+        text += f"; Delta settles at {plan.delta}"
+    return text
+
+
+def costs_of_sync_run(run, calibration: dict):
+    """A sync run's own costs, with the setup it ran."""
+    args = runs_.parse_flags(run.flags)
+    if runs_.system_of(args) != "sync":
+        raise ValueError(f"{run.name} is not upstream's sync trainer: predict from a sync run's logs")
+    setup = runs_.setup_of(args, run.prompt_tokens)
+    placement = "colocated" if setup.colocated else "split"
+    defaults = calibration["intercepts"].get(placement) or next(iter(calibration["intercepts"].values()))
+    return costs_.from_sync_run(run, setup, costs_.shape_slopes(calibration, run.shape), defaults), setup
+
+
+def from_sync_run(run, calibration: dict, systems: Dict[str, object]) -> Dict[str, Prediction]:
+    """Predict ``systems`` (name: flags) from the sync ``run``'s logs and workload."""
+    costs, _ = costs_of_sync_run(run, calibration)
+    return predict_systems(costs, run.lengths, run.prompt_tokens, systems, run.warmup, run.measured)
