@@ -23,14 +23,16 @@ from openrlhf_oppo.predict import costs as costs_
 from openrlhf_oppo.predict import model
 from openrlhf_oppo.predict import runs as runs_
 
+FITTED = "\nThe sync run's own logs set the costs: its row shows the fit; the others are predictions.\n"
+
 
 def table(predictions: dict, measured: dict = None, baseline: str = None) -> str:
     """One row a system: its step, against the baseline's, its bound and what sets it, its plan."""
     measured = measured or {}
     base = predictions.get(baseline)
     lines = [
-        "| system | predicted step (s) | measured (s) | vs sync | bound (s) | bound set by | waits on | policy lag"
-        " (mean / at most) | plan |",
+        "| system | predicted step (s) | measured (s) | vs sync | bound (s) | bound set by | wait for samples (s)"
+        " | policy lag (mean / at most) | plan |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in predictions.items():
@@ -40,8 +42,9 @@ def table(predictions: dict, measured: dict = None, baseline: str = None) -> str
             continue
         ratio = f"{base.step_s / p.step_s:.2f}x" if base and not base.refused else "-"
         lag = f"{p.mean('lag'):.2f} / {p.lag_bound}" if p.kind != "sync" else "0 / 0"
+        wait = p.mean("generation_s")
         lines.append(
-            f"| {name} | {p.step_s:.2f} | {seen} | {ratio} | {p.bound_s:.2f} | {p.set_by} | {p.waits_on} | {lag}"
+            f"| {name} | {p.step_s:.2f} | {seen} | {ratio} | {p.bound_s:.2f} | {p.set_by} | {wait:.2f} | {lag}"
             f" | {p.plan} |"
         )
     return "\n".join(lines) + "\n"
@@ -65,7 +68,7 @@ def from_harness_folder(args, calibration: dict) -> str:
             flags[name], measured[name] = run.flags, _measured(run)
     predictions = model.from_sync_run(base, calibration, flags)
     head = f"Predicted from {args.run} ({base.name}: {base.measured} measured steps after {base.warmup})\n\n"
-    return head + table(predictions, measured, "upstream sync")
+    return head + table(predictions, measured, "upstream sync") + FITTED
 
 
 def from_tensorboard(args, calibration: dict, flags: list) -> str:
@@ -80,15 +83,25 @@ def from_tensorboard(args, calibration: dict, flags: list) -> str:
         f"Predicted from {args.run} ({run.measured} steps after {run.warmup}; each step's lengths lognormal with"
         f" sigma {args.sigma:g} around its logged mean)\n\n"
     )
-    return head + table(predictions, {"upstream sync": _measured(run)}, "upstream sync")
+    return head + table(predictions, {"upstream sync": _measured(run)}, "upstream sync") + FITTED
 
 
 def from_shape(args, calibration: dict) -> str:
     """The benchmark's systems (``bench/systems.py``) for a shape, GPU count and lengths nobody ran yet."""
     sync_flags = bench_systems.common_flags(
-        "WORKDIR", "OUT", "upstream-sync", args.placement, args.gpus, args.batch, args.n_samples,
-        args.warmup + args.steps, args.high, args.prompt_tokens, args.seed, 2.0,
-    ) + bench_systems.system_flags("upstream-sync", args.placement, 1)  # fmt: skip
+        "WORKDIR",
+        "OUT",
+        "upstream-sync",
+        args.placement,
+        args.gpus,
+        args.batch,
+        args.n_samples,
+        args.warmup + args.steps,
+        args.high,
+        args.prompt_tokens,
+        args.seed,
+        2.0,
+    ) + bench_systems.system_flags("upstream-sync", args.placement, 1)
     parsed = runs_.parse_flags(sync_flags)
     setup = runs_.setup_of(parsed, args.prompt_tokens)
     costs = costs_.from_calibration(calibration, args.shape, setup)

@@ -1,17 +1,22 @@
-"""The cost model's figures: from a run's own sync steps, or from the calibration of every upstream sync run.
-
-Per step of upstream's sync trainer the logs give the generation, make_experience, training and weight sync
-times, and the workload gives the batch's lengths. Decoding is ``dispatch + max over engines of (decode_s *
-longest + decode_per_request_s * tokens)`` (every request of a batch starts together, and an iteration costs
-``decode_s + decode_per_request_s * running``); make_experience is ``forward_s * padded forward tokens of every
-scoring model`` (its calls, gathering and advantages included: a model's share of it is what its forward costs
-per token), of which ``call_s`` a call is fixed (the intercept of make_experience over its calls, with the
-per-token slope pooled within runs): a model that streams still returns its scores in one call; training is ``train_s + train_per_token_s * padded training tokens of every trained model`` (per GPU:
-the busiest rank's share). The decoding and training slopes are pooled over all the sync runs of a shape, from the
-variation within each run (each run keeps its own intercept: its dispatch, patches, micro-batches and state
-moves); a run's own logs then set its intercepts and its forward cost.
+"""The cost model's figures: from a sync run's own logged steps, or from the calibration of every upstream sync
+run in docs/results.
 
     python -m openrlhf_oppo.predict --calibrate docs/results    # writes openrlhf_oppo/predict/calibration.json
+
+A sync step logs its generation, make_experience, training and weight sync times; the workload gives its
+batch's lengths. The model of that step, per GPU (the busiest rank's share):
+
+* generation: ``dispatch_s`` plus the engines' decoding (an iteration costs ``decode_s + decode_per_request_s *
+  running``, so a batch that starts together takes ``decode_s * longest + decode_per_request_s * tokens``);
+* make_experience: ``forward_s`` per padded token of every scoring model, calls and advantages included, of which
+  ``call_s`` a call is fixed (the intercept over its calls): a model that streams still returns its scores in a
+  call;
+* training: ``train_s + train_per_token_s`` per padded token of every trained model;
+* the weight sync and the rest of the step as logged.
+
+The decoding and training slopes and ``forward_s``'s fixed part are pooled over the sync runs of a shape, from the
+variation within each run (each run keeps its own intercepts: its dispatch, patches, micro-batches, state moves).
+A run's own steps then set its intercepts and ``forward_s``.
 """
 
 import glob
@@ -23,6 +28,7 @@ from typing import Dict, List, Optional
 
 from openrlhf_oppo import tiny
 from openrlhf_oppo.predict import runs as runs_
+from openrlhf_oppo.predict import simulate
 from openrlhf_oppo.predict.simulate import Cluster, Costs, Group, Request, Setup, padded_tokens
 
 CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
@@ -51,12 +57,13 @@ def batches(run, setup: Setup) -> List[List[int]]:
 
 
 def decode_terms(lengths: List[int], setup: Setup) -> tuple:
-    """(longest, tokens) on the engine that takes longest, as upstream's dispatch spreads the groups."""
+    """(longest, tokens) of the engine with the longest response, as upstream's dispatch spreads the groups over
+    the engines (in turn, where every engine starts empty)."""
     per_engine = [[] for _ in range(setup.engines)]
     n = setup.n_samples
     for g in range(len(lengths) // n):
         per_engine[g % setup.engines] += lengths[g * n : (g + 1) * n]
-    return max(((max(e), sum(e)) for e in per_engine if e), key=lambda t: t[0] + t[1] / 64)
+    return max((max(e), sum(e)) for e in per_engine if e)
 
 
 def forward_tokens(lengths: List[int], setup: Setup) -> float:
@@ -85,7 +92,7 @@ def decode_seconds(lengths: List[int], setup: Setup, costs: Costs) -> float:
         group.requests = [Request(group, x) for x in lengths[index * n : (index + 1) * n]]
         groups.append(group)
         cluster.dispatch(group)
-    cluster.run(stop=lambda: all(g.done for g in groups))
+    simulate.wait_for(cluster, groups)
     return cluster.now
 
 
@@ -115,7 +122,10 @@ def busy_shares(run) -> Optional[dict]:
 
 
 def from_sync_run(run, setup: Setup, slopes: dict, defaults: dict) -> Costs:
-    """The costs of ``run`` (upstream sync): the shape's slopes, and the intercepts its measured steps leave."""
+    """The costs of ``run`` (upstream sync): the shape's slopes, and the intercepts its measured steps leave.
+    OPPO's samples generator sends the tokenizer once, so its dispatch is at most a patched upstream's
+    (``defaults``, the calibration's median for the placement); where the NVML samples are missing, so are the
+    GPU busy shares."""
     pairs = list(zip(run.steps, batches(run, setup)))[run.warmup : run.warmup + run.measured]
     pairs = [(s, b) for s, b in pairs if len(b) == setup.batch * setup.n_samples]
     steps, per_step = [s for s, _ in pairs], [b for _, b in pairs]
@@ -206,7 +216,7 @@ def sync_runs(results_dir: str):
             args = runs_.parse_flags(run.flags)
             if runs_.system_of(args) != "sync":
                 continue
-            yield os.path.basename(os.path.normpath(folder)), run, runs_.setup_of(args, run.prompt_tokens), args
+            yield os.path.basename(os.path.normpath(folder)), run, runs_.setup_of(args, run.prompt_tokens)
 
 
 def _pooled_slope(samples: Dict[str, list]) -> float:
@@ -247,12 +257,12 @@ def _pooled_two(samples: Dict[str, list]) -> tuple:
 def calibrate(results_dir: str) -> dict:
     """Fit the slopes per shape and the intercepts' medians per placement from every upstream sync run."""
     by_shape: Dict[str, list] = {}
-    for folder, run, setup, args in sync_runs(results_dir):
-        by_shape.setdefault(run.shape, []).append((folder, run, setup, args))
+    for folder, run, setup in sync_runs(results_dir):
+        by_shape.setdefault(run.shape, []).append((folder, run, setup))
     shapes, intercepts, used = {}, {}, []
     for shape, items in sorted(by_shape.items()):
         decode, forward, train = {}, {}, {}
-        for folder, run, setup, _ in items:
+        for folder, run, setup in items:
             key = f"{folder}/{run.name}"
             for step, lengths in list(zip(run.steps, batches(run, setup)))[run.warmup : run.warmup + run.measured]:
                 if len(lengths) < setup.batch * setup.n_samples:
@@ -271,15 +281,15 @@ def calibrate(results_dir: str) -> dict:
             forward_slope_s=max(_pooled_slope(forward), 0.0),
             train_per_token_s=max(_pooled_slope(train), 0.0),
         )
-        used += [f"{folder}/{run.name}" for folder, run, _, _ in items]
+        used += [f"{folder}/{run.name}" for folder, run, _ in items]
     # Intercepts: what each run's own steps leave past the slopes, per placement, for setups nobody ran.
     rows: Dict[str, list] = {}
-    placeholder = dict(oppo_dispatch_s=0.0, decode_busy=0.8, train_busy=0.9)
+    unused = dict(oppo_dispatch_s=0.0, decode_busy=0.0, train_busy=0.0)  # what from_sync_run takes as given
     for shape, items in by_shape.items():
         if shapes[shape]["runs"] < 2:
             continue
-        for folder, run, setup, args in items:
-            costs = from_sync_run(run, setup, shapes[shape], placeholder)
+        for _, run, setup in items:
+            costs = from_sync_run(run, setup, shapes[shape], unused)
             per_rank = -(-setup.batch * setup.n_samples // setup.model_gpus)
             placement = "colocated" if setup.colocated else "split"
             rows.setdefault(placement, []).append(

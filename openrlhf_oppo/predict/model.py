@@ -44,15 +44,6 @@ class Prediction:
         phases = {"training": "train_s", "weight sync": "sync_s", "make_experience": "experience_s"}
         return max(phases, key=lambda p: self.mean(phases[p]))
 
-    @property
-    def waits_on(self) -> str:
-        """What the step waits for past its bound: the generation phase, where it is the largest wait."""
-        idle = self.step_s - self.bound_s
-        generation = self.mean("generation_s")
-        if self.kind != "sync" and generation > 0.25 * max(idle, 0.0) and generation > 0.05 * self.step_s:
-            return "generation tail"
-        return "-"
-
 
 def simulate_system(kind: str, costs: Costs, setup, plan, lengths: List[int], steps: int) -> List[Step]:
     if kind == "sync":
@@ -78,8 +69,9 @@ def oppo_flags(sync_flags: list, extra: list = ()) -> list:
     return [f for f in sync_flags if f != "--oppo.enable"] + ["--oppo.enable"] + list(extra)
 
 
-def predict_systems(costs: Costs, lengths: List[int], prompt_tokens: int, flags: Dict[str, object], warmup: int,
-                    measured: int) -> Dict[str, Prediction]:  # fmt: skip
+def predict_systems(
+    costs: Costs, lengths: List[int], prompt_tokens: int, flags: Dict[str, object], warmup: int, measured: int
+) -> Dict[str, Prediction]:
     """Each system's steps ``warmup`` to ``warmup + measured`` (``flags``: a system's flags, or the reason it
     cannot run)."""
     out = {}

@@ -5,7 +5,7 @@ import contextlib
 import io
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional
 
 from openrlhf_oppo import tiny
@@ -189,13 +189,11 @@ def harness_runs(folder: str) -> dict:
 
 
 def tensorboard_run(folder: str, flags: list, sigma: float = 1.0, warmup: int = 1, shape: Optional[str] = None) -> Run:
-    """An OpenRLHF run's own tensorboard logs (``--logger.tensorboard_dir``) with the flags it ran with; its
-    responses' lengths from each step's mean (``lengths_from_means``)."""
+    """An OpenRLHF run's own tensorboard logs (``--logger.tensorboard_dir``) with the flags it ran with."""
     steps = report.read_steps(folder)
     if not steps:
         raise ValueError(f"no tensorboard steps under {folder}")
-    args = parse_flags(flags)
-    shape = shape or shape_of(args.actor.model_name_or_path or "")
+    shape = shape or shape_of(parse_flags(flags).actor.model_name_or_path or "")
     if shape is None:
         raise ValueError("name the model's shape (--shape): its path names none of " + ", ".join(tiny.SHAPES))
     prompts = [
@@ -204,15 +202,21 @@ def tensorboard_run(folder: str, flags: list, sigma: float = 1.0, warmup: int = 
     if not prompts:
         raise ValueError("the logs hold no prompt lengths (total_length and response_length)")
     warmup = min(warmup, len(steps) - 1)
-    per_step = args.rollout.batch_size * args.rollout.n_samples_per_prompt
-    high = args.rollout.max_new_tokens or args.data.max_len
-    return Run(
+    run = Run(
         name=os.path.basename(os.path.normpath(folder)),
         flags=flags,
         steps=steps,
         warmup=warmup,
         measured=len(steps) - warmup,
         shape=shape,
-        lengths=lengths_from_means(steps, per_step, sigma, high),
         prompt_tokens=round(sum(prompts) / len(prompts)),
     )
+    return with_lengths_from_means(run, sigma)
+
+
+def with_lengths_from_means(run: Run, sigma: float) -> Run:
+    """``run`` as its logs alone tell its lengths: each step's mean (``lengths_from_means``)."""
+    args = parse_flags(run.flags)
+    per_step = args.rollout.batch_size * args.rollout.n_samples_per_prompt
+    high = args.rollout.max_new_tokens or args.data.max_len
+    return replace(run, lengths=lengths_from_means(run.steps, per_step, sigma, high))

@@ -26,8 +26,8 @@ from typing import List, Optional
 
 from openrlhf_oppo.overcommit.controller import ThroughputController
 
-# When the critic's fit ends within training (the two models train side by side, or the critic first under the
-# hybrid engine): the logs time the two only together.
+# The share of training after which the critic's fit ends (the two train side by side, or the critic first under
+# the hybrid engine): an assumption, as the logs time the two only together.
 CRITIC_FIT_SHARE = 0.5
 EPS = 1e-9
 MIN_INTERVAL_S = 0.005  # the shortest simulated interval while a scorer's queue drains
@@ -120,8 +120,10 @@ class Request:
 
     @property
     def decoded(self) -> float:
-        if self.done or self.engine is None:
-            return float(self.length) if self.done else 0.0
+        if self.done:
+            return float(self.length)
+        if self.engine is None:
+            return 0.0
         return min(float(self.length), self.engine.iterations - self.start)
 
 
@@ -154,7 +156,7 @@ class Step:
 
     @property
     def bound_s(self) -> float:
-        """Neither set of GPUs can be busy for longer than the step."""
+        """No step is shorter than its busiest set of GPUs is busy (one set where vLLM shares the models')."""
         return max(self.models_busy_s, self.engines_busy_s, self.busy_s)
 
 
@@ -402,6 +404,13 @@ def next_batch(source, size: int) -> Optional[List[Group]]:
     return batch if len(batch) == size else None
 
 
+def wait_for(cluster: Cluster, groups: List[Group]) -> None:
+    """Decode until every one of ``groups`` is done."""
+    target = cluster.groups_done + sum(not g.done for g in groups)
+    if cluster.groups_done < target:
+        cluster.run(stop=lambda: cluster.groups_done >= target)
+
+
 def sequence_lengths(groups: List[Group], setup: Setup) -> List[int]:
     return [setup.prompt_tokens + r.length for g in groups for r in g.requests]
 
@@ -431,15 +440,23 @@ def simulate_sync(costs: Costs, setup: Setup, lengths: List[int], steps: int) ->
         cluster.idle(costs.dispatch_s)
         for group in batch:
             cluster.dispatch(group)
-        cluster.rate, target = 1.0, cluster.groups_done + len(batch)
-        cluster.run(stop=lambda: cluster.groups_done >= target)
+        cluster.rate = 1.0
+        wait_for(cluster, batch)
         generation = cluster.now - before[0]
         make, train = experience_s(costs, setup, batch, setup.roles), train_s(costs, setup, batch)
         for seconds in (make, train, costs.sync_s):
             cluster.busy(seconds, "paused")
         cluster.idle(costs.other_s)
-        out.append(cluster.step_since(before, generation_s=generation, experience_s=make, train_s=train,
-                                      sync_s=costs.sync_s, trained_tokens=tokens_of(batch)))  # fmt: skip
+        out.append(
+            cluster.step_since(
+                before,
+                generation_s=generation,
+                experience_s=make,
+                train_s=train,
+                sync_s=costs.sync_s,
+                trained_tokens=tokens_of(batch),
+            )
+        )
     return out
 
 
@@ -456,9 +473,8 @@ def simulate_async(costs: Costs, setup: Setup, lengths: List[int], steps: int) -
         following = next_batch(source, setup.batch)
         if batch is None or following is None:
             break
-        before, target = cluster.counters(), cluster.groups_done + len(batch)
-        cluster.rate = 1.0
-        cluster.run(stop=lambda: cluster.groups_done >= target)
+        before, cluster.rate = cluster.counters(), 1.0
+        wait_for(cluster, batch)
         generation = cluster.now - before[0]
         make, train = experience_s(costs, setup, batch, setup.roles), train_s(costs, setup, batch)
         for group in following:
@@ -468,8 +484,17 @@ def simulate_async(costs: Costs, setup: Setup, lengths: List[int], steps: int) -
         cluster.busy(make + train, "apart")
         cluster.busy(costs.sync_s, "paused")  # pause_generation for the broadcast
         cluster.idle(costs.other_s, rate=1.0)
-        out.append(cluster.step_since(before, generation_s=generation, experience_s=make, train_s=train,
-                                      sync_s=costs.sync_s, trained_tokens=tokens_of(batch), lag=1.0))  # fmt: skip
+        out.append(
+            cluster.step_since(
+                before,
+                generation_s=generation,
+                experience_s=make,
+                train_s=train,
+                sync_s=costs.sync_s,
+                trained_tokens=tokens_of(batch),
+                lag=1.0,
+            )
+        )
         batch = following
     return out
 
@@ -569,7 +594,8 @@ class OPPOSim:
         if self.done >= setup.batch:
             self.bth_done = 0.0
         cluster.idle(costs.oppo_dispatch_s, rate=1.0)
-        cluster.run(stop=self.waited_enough)
+        if not self.waited_enough():
+            cluster.run(stop=self.waited_enough)
         self.controller.record_generation(self.bth_done, done_at_start)
         taken = self.take_order([g for g in self.groups if g.done])[: setup.batch]
         chosen = set(taken)
@@ -630,8 +656,16 @@ class OPPOSim:
                 cluster.send(request, "policy")
         cluster.idle(costs.other_s, rate=0.0 if self.beside_rest == "paused" else 1.0)
         lag = sum(g.deferrals for g in taken) / len(taken) + (0.0 if plan.top_up_at_end else 0.5)
-        return cluster.step_since(before, generation_s=generation, experience_s=make, train_s=train,
-                                  sync_s=costs.sync_s, trained_tokens=tokens_of(taken), lag=lag, delta=delta)  # fmt: skip
+        return cluster.step_since(
+            before,
+            generation_s=generation,
+            experience_s=make,
+            train_s=train,
+            sync_s=costs.sync_s,
+            trained_tokens=tokens_of(taken),
+            lag=lag,
+            delta=delta,
+        )
 
 
 def simulate_oppo(costs: Costs, setup: Setup, plan: Plan, lengths: List[int], steps: int) -> List[Step]:
