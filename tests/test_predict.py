@@ -88,9 +88,12 @@ def test_the_committed_calibration_is_what_the_sync_runs_give():
     for shape, figures in fitted["shapes"].items():
         assert figures == pytest.approx(committed["shapes"][shape], rel=1e-9), shape
     for placement, figures in fitted["intercepts"].items():
-        assert {k: v for k, v in figures.items() if k != "shape"} == pytest.approx(
-            {k: v for k, v in committed["intercepts"][placement].items() if k != "shape"}, rel=1e-9
-        )
+        by_shape = figures.pop("by_shape")
+        committed_by_shape = dict(committed["intercepts"][placement])
+        assert by_shape.keys() == committed_by_shape.pop("by_shape").keys()
+        assert figures == pytest.approx(committed_by_shape, rel=1e-9), placement
+        for shape, own in by_shape.items():
+            assert own == pytest.approx(committed["intercepts"][placement]["by_shape"][shape], rel=1e-9)
 
 
 def test_the_prediction_page_is_made_from_the_committed_runs():

@@ -167,21 +167,23 @@ def from_sync_run(run, setup: Setup, slopes: dict, defaults: dict) -> Costs:
 
 def from_calibration(calibration: dict, shape: str, setup: Setup) -> Costs:
     """Costs of a setup nobody ran: the shape's slopes and the medians of the sync runs' intercepts for its
-    placement (per micro-batch, so that they follow the batch and GPU count)."""
+    placement, the fixed ones per call and per micro-batch (so that they follow the batch and GPU count), from the
+    shape's own runs or the nearest shape's scaled by parameters."""
     slopes = shape_slopes(calibration, shape)
     placement = "colocated" if setup.colocated else "split"
     defaults = calibration["intercepts"].get(placement) or next(iter(calibration["intercepts"].values()))
+    nearest = min(defaults["by_shape"], key=lambda s: abs(parameters(s) - parameters(shape)))
+    scale = parameters(shape) / parameters(nearest)
     per_rank = -(-setup.batch * setup.n_samples // setup.model_gpus)
     train_batches = len(setup.trained) * -(-per_rank // setup.train_micro_batch)
-    scale = parameters(shape) / parameters(defaults["shape"])
     return Costs(
         decode_s=slopes["decode_s"],
         decode_per_request_s=slopes["decode_per_request_s"],
         dispatch_s=defaults["oppo_dispatch_s"],
         oppo_dispatch_s=defaults["oppo_dispatch_s"],
         forward_s=slopes["forward_s"],
-        call_s=defaults["call_s"] * scale,
-        train_s=defaults["train_per_micro_batch_s"] * train_batches * scale,
+        call_s=defaults["by_shape"][nearest]["call_s"] * scale,
+        train_s=defaults["by_shape"][nearest]["train_per_micro_batch_s"] * train_batches * scale,
         train_per_token_s=slopes["train_per_token_s"],
         sync_s=defaults["sync_per_parameter_s"] * parameters(shape),
         other_s=defaults["other_s"],
@@ -307,15 +309,18 @@ def calibrate(results_dir: str) -> dict:
             )
     for placement, items in rows.items():
         patched = [r for r in items if r["patched"]] or items
-        common = max({r["shape"] for r in patched}, key=lambda s: sum(r["shape"] == s for r in patched))
+        by_shape = {}
+        for shape in sorted({r["shape"] for r in patched}):
+            own = [r for r in patched if r["shape"] == shape]
+            by_shape[shape] = dict(
+                runs=len(own),
+                call_s=statistics.median(r["call_s"] for r in own),
+                train_per_micro_batch_s=statistics.median(r["train_per_micro_batch_s"] for r in own),
+            )
         intercepts[placement] = dict(
-            shape=common,
             runs=len(patched),
+            by_shape=by_shape,
             oppo_dispatch_s=statistics.median(r["dispatch_s"] for r in patched),
-            call_s=statistics.median(r["call_s"] for r in patched),
-            train_per_micro_batch_s=statistics.median(
-                r["train_per_micro_batch_s"] for r in patched if r["shape"] == common
-            ),
             sync_per_parameter_s=statistics.median(r["sync_per_parameter_s"] for r in patched),
             other_s=statistics.median(r["other_s"] for r in patched),
             decode_busy=statistics.median(r["decode_busy"] for r in patched if "decode_busy" in r),
