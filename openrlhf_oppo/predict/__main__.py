@@ -22,6 +22,7 @@ from openrlhf_oppo.bench import workload
 from openrlhf_oppo.predict import costs as costs_
 from openrlhf_oppo.predict import model
 from openrlhf_oppo.predict import runs as runs_
+from openrlhf_oppo.predict import validate
 
 FITTED = "\nThe sync run's own logs set the costs: its row shows the fit; the others are predictions.\n"
 
@@ -89,18 +90,20 @@ def from_tensorboard(args, calibration: dict, flags: list) -> str:
 def from_shape(args, calibration: dict) -> str:
     """The benchmark's systems (``bench/systems.py``) for a shape, GPU count and lengths nobody ran yet."""
     sync_flags = bench_systems.common_flags(
-        "WORKDIR",
-        "OUT",
-        "upstream-sync",
-        args.placement,
-        args.gpus,
-        args.batch,
-        args.n_samples,
-        args.warmup + args.steps,
-        args.high,
-        args.prompt_tokens,
-        args.seed,
-        2.0,
+        workdir="WORKDIR",
+        out="OUT",
+        system="upstream-sync",
+        placement=args.placement,
+        gpus=args.gpus,
+        batch=args.batch,
+        n_samples=args.n_samples,
+        steps=args.warmup + args.steps,
+        max_response=args.high,
+        prompt_tokens=args.prompt_tokens,
+        seed=args.seed,
+        cache_budget_gb=2.0,
+        rollout_micro_batch=args.rollout_micro_batch,
+        train_micro_batch=args.train_micro_batch,
     ) + bench_systems.system_flags("upstream-sync", args.placement, 1)
     parsed = runs_.parse_flags(sync_flags)
     setup = runs_.setup_of(parsed, args.prompt_tokens)
@@ -138,6 +141,8 @@ def main(argv=None):
     parser.add_argument("--placement", default="split", choices=["split", "colocated"])
     parser.add_argument("--batch", type=int, default=32, help="prompts a step")
     parser.add_argument("--n_samples", type=int, default=1)
+    parser.add_argument("--rollout_micro_batch", type=int, default=8, help="--gpus: --rollout.micro_batch_size")
+    parser.add_argument("--train_micro_batch", type=int, default=2, help="--gpus: --train.micro_batch_size")
     parser.add_argument("--steps", type=int, default=20, help="--gpus: steps to average over")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out first (default: 1 logged, 10 else)")
     parser.add_argument("--calibration", default=costs_.CALIBRATION, help="the calibration file")
@@ -154,12 +159,9 @@ def main(argv=None):
         return
     calibration = costs_.load(args.calibration)
     if args.validate:
-        from openrlhf_oppo.predict import validate
-
-        page = validate.page(args.validate, calibration)
         with open(args.out, "w") as f:
-            f.write(page)
-        print(page)
+            f.write(validate.page(args.validate, calibration))
+        print(f"wrote {args.out}")
         return
     if args.gpus:
         if args.shape not in tiny.SHAPES:

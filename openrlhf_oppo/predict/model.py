@@ -91,38 +91,60 @@ def predict_systems(
         if not steps:
             out[name] = Prediction(name, kind=kind, refused="the workload's prompts run out before the measured steps")
             continue
-        describe = {"sync": "upstream's sync trainer", "async": "upstream's async trainer, partial rollout"}
-        bound = args.oppo.max_defer_steps + (1 if args.oppo.top_up == "step_end" else 0) if plan.delta else None
         out[name] = Prediction(
-            name,
-            kind=kind,
-            steps=steps,
-            plan=describe.get(kind) or _oppo_plan(args, plan),
-            lag_bound=bound if kind == "oppo" else (1 if kind == "async" else 0),
+            name, kind=kind, steps=steps, plan=_plan(kind, args, plan), lag_bound=_lag_bound(kind, plan)
         )
     return out
 
 
-def settled_delta(costs: Costs, setup, plan, lengths: List[int], steps: int = 60) -> int:
-    """Where ``--oppo.overcommit auto`` leaves Delta: the controller's rule over ``steps`` steps of the workload
-    (repeated in new orders where it is shorter, as further episodes would draw it)."""
+def _lag_bound(kind: str, plan) -> int:
+    """The most weight updates between a trained group's dispatch and its training: async's next batch starts
+    one version behind; OPPO's carried groups are waited for once carried ``max_defer_steps`` times, a step
+    later where they started before training (``--oppo.top_up step_end``)."""
+    if kind == "oppo" and plan.delta:
+        return plan.max_defer_steps + plan.top_up_at_end
+    return 1 if kind == "async" else 0
+
+
+def settled_delta(costs: Costs, setup, plan, lengths: List[int], steps: int = 12) -> int:
+    """The Delta ``--oppo.overcommit auto`` holds under its throughput rule, which moves Delta up while most steps
+    of a window wait for their B-th group: the smallest Delta within the rule's bounds at which most of the last
+    window's steps of a short simulation do not (by bisection; a wait falls as Delta grows). The workload repeats
+    in new orders where it is shorter, as further episodes would draw it."""
     per_step = setup.batch * setup.n_samples
     longer, rng = list(lengths), random.Random(0)
     while len(longer) < (steps + 4) * per_step:
         more = list(lengths)
         rng.shuffle(more)
         longer += more
-    sim = simulate.OPPOSim(costs, setup, plan, longer)
-    for _ in range(steps):
-        if sim.step() is None:
-            break
-    return sim.controller.delta
+
+    def waits(delta: int) -> bool:
+        sim = simulate.OPPOSim(costs, setup, replace(plan, delta=delta, delta_auto=False), longer)
+        for _ in range(steps):
+            if sim.step() is None:
+                break
+        verdicts = sim.controller.verdicts  # the rule's own verdict of each step of its window
+        return verdicts.count("waited") * 2 > len(verdicts)
+
+    low, high = plan.delta_min, max(plan.delta_min, plan.delta_max)
+    if waits(high):
+        return high
+    while low < high:
+        middle = (low + high) // 2
+        if waits(middle):
+            low = middle + 1
+        else:
+            high = middle
+    return low
 
 
-def _oppo_plan(args, plan) -> str:
+def _plan(kind: str, args, plan) -> str:
+    if kind != "oppo":
+        return {"sync": "upstream's sync trainer", "async": "upstream's async trainer, partial rollout"}[kind]
     text = config.describe(args).removeprefix("OPPO on: ")
     if args.oppo.overcommit == "auto":
-        text += f"; Delta settles at {plan.delta}"
+        at_bound = " (its bound, --oppo.overcommit_max)" if plan.delta == plan.delta_max else ""
+        text += f"; the throughput rule holds Delta at {plan.delta}{at_bound}"
     return text
 
 

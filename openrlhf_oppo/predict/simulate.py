@@ -151,7 +151,7 @@ class Step:
     engines_busy_s: float = 0.0  # the engines decoding
     busy_s: float = 0.0  # any of them (one set of GPUs where vLLM shares the models')
     trained_tokens: float = 0.0
-    lag: float = 0.0  # weight versions between a trained sample's start and the weights it trains
+    lag: float = 0.0  # mean weight updates between a trained group's dispatch and its training
     delta: int = 0
 
     @property
@@ -655,7 +655,7 @@ class OPPOSim:
             for request in self.requests(self.announce()):
                 cluster.send(request, "policy")
         cluster.idle(costs.other_s, rate=0.0 if self.beside_rest == "paused" else 1.0)
-        lag = sum(g.deferrals for g in taken) / len(taken) + (0.0 if plan.top_up_at_end else 0.5)
+        lag = sum(g.deferrals for g in taken) / len(taken) + plan.top_up_at_end
         return cluster.step_since(
             before,
             generation_s=generation,

@@ -37,6 +37,11 @@ SIGMA = 1.0  # the lognormal spread of a step's lengths where the logs give only
 # -- the paired runs ----------------------------------------------------------------------------------------
 
 
+# The three ways a system is predicted: from the sync run's logs and lengths, from its logged mean lengths alone
+# (as from a tensorboard folder), from the calibration alone (as for a setup nobody ran).
+WAYS = {"logs": "", "means": ", from mean lengths only", "calibration": ", from the calibration alone"}
+
+
 def paired(results_dir: str, calibration: dict):
     """(rows, left out): a row per predicted system of each run folder with an upstream sync system."""
     rows, left_out = [], []
@@ -63,34 +68,28 @@ def paired(results_dir: str, calibration: dict):
         if not targets:
             continue
         systems = dict({n: r.flags for n, r in targets.items()}, **{base.name: base.flags})
-        predictions = model.from_sync_run(base, calibration, systems)
-        # The same from what a tensorboard folder holds: each step's mean length, not the lengths themselves.
-        from_means = model.from_sync_run(runs_.with_lengths_from_means(base, SIGMA), calibration, systems)
-        # And from the calibration alone, as for a setup nobody ran (its fit holds this run's sync steps too).
         setup = runs_.setup_of(runs_.parse_flags(base.flags), base.prompt_tokens)
         alone = costs_.from_calibration(calibration, base.shape, setup)
-        from_calibration = model.predict_systems(
-            alone, base.lengths, base.prompt_tokens, systems, base.warmup, base.measured
-        )
-        base_prediction = predictions[base.name]
+        ways = {
+            "logs": model.from_sync_run(base, calibration, systems),
+            "means": model.from_sync_run(runs_.with_lengths_from_means(base, SIGMA), calibration, systems),
+            "calibration": model.predict_systems(
+                alone, base.lengths, base.prompt_tokens, systems, base.warmup, base.measured
+            ),
+        }
         for system, run in targets.items():
-            p = predictions[system]
-            if p.refused:
-                left_out.append((name, f"{system}: {p.refused}"))
+            if ways["logs"][system].refused:
+                left_out.append((name, f"{system}: {ways['logs'][system].refused}"))
                 continue
+            predicted = {way: (p[system].step_s, p[base.name].step_s) for way, p in ways.items()}
             rows.append(
                 dict(
                     run=name,
                     system=system,
-                    kind=p.kind,
+                    kind=ways["logs"][system].kind,
                     measured=_mean_step(run),
-                    predicted=p.step_s,
-                    from_means=from_means[system].step_s,
-                    sync_from_means=from_means[base.name].step_s,
-                    from_calibration=from_calibration[system].step_s,
-                    sync_from_calibration=from_calibration[base.name].step_s,
                     sync_measured=_mean_step(base),
-                    sync_predicted=base_prediction.step_s,
+                    predicted=predicted,  # way: (the system's step, upstream sync's)
                 )
             )
     return rows, left_out
@@ -100,14 +99,14 @@ def _mean_step(run) -> float:
     return statistics.mean(s["wall_s"] for s in run.measured_steps)
 
 
-def _error(row, predicted: str = "predicted") -> float:
-    return row[predicted] / row["measured"] - 1
+def _error(row, way: str = "logs") -> float:
+    return row["predicted"][way][0] / row["measured"] - 1
 
 
-def _sign_right(row, predicted: str = "predicted") -> bool:
+def _sign_right(row, way: str = "logs") -> bool:
     """Faster or slower than upstream sync, as measured."""
-    sync = "sync_predicted" if predicted == "predicted" else f"sync_{predicted}"
-    return (row["sync_measured"] > row["measured"]) == (row[sync] > row[predicted])
+    step, sync = row["predicted"][way]
+    return (row["sync_measured"] > row["measured"]) == (sync > step)
 
 
 def pairs_table(rows: list) -> list:
@@ -117,12 +116,19 @@ def pairs_table(rows: list) -> list:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        speed_ups = f"{r['sync_measured'] / r['measured']:.2f}x / {r['sync_predicted'] / r['predicted']:.2f}x"
-        lines.append(
-            f"| [{r['run']}](results/{r['run']}/) | {r['system']} | {r['measured']:.2f} | {r['predicted']:.2f}"
-            f" | {_error(r):+.1%} | {speed_ups} | {'right' if _sign_right(r) else 'WRONG'} | {r['from_means']:.2f}"
-            f" | {_error(r, 'from_means'):+.1%} | {r['from_calibration']:.2f} | {_error(r, 'from_calibration'):+.1%} |"
-        )
+        step, sync = r["predicted"]["logs"]
+        cells = [
+            f"[{r['run']}](results/{r['run']}/)",
+            r["system"],
+            f"{r['measured']:.2f}",
+            f"{step:.2f}",
+            f"{_error(r):+.1%}",
+            f"{r['sync_measured'] / r['measured']:.2f}x / {sync / step:.2f}x",
+            "right" if _sign_right(r) else "WRONG",
+        ]
+        for way in ("means", "calibration"):
+            cells += [f"{r['predicted'][way][0]:.2f}", f"{_error(r, way):+.1%}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -131,19 +137,13 @@ def summary_table(rows: list) -> list:
         "| systems | predicted | median abs. error | largest abs. error | within 10% | speed-up sign right |",
         "|---|---|---|---|---|---|",
     ]
-    groups = (("OPPO", "oppo"), ("upstream async", "async"))
-    ways = (
-        ("", "predicted"),
-        (", from mean lengths only", "from_means"),
-        (", from the calibration alone", "from_calibration"),
-    )
-    for what, predicted in ways:
-        for label, kind in groups:
+    for way, what in WAYS.items():
+        for label, kind in (("OPPO", "oppo"), ("upstream async", "async")):
             chosen = [r for r in rows if r["kind"] == kind]
             if not chosen:
                 continue
-            errors = [abs(_error(r, predicted)) for r in chosen]
-            right = sum(_sign_right(r, predicted) for r in chosen)
+            errors = [abs(_error(r, way)) for r in chosen]
+            right = sum(_sign_right(r, way) for r in chosen)
             lines.append(
                 f"| {label}{what} | {len(chosen)} | {statistics.median(errors):.1%} | {max(errors):.1%}"
                 f" | {sum(e <= 0.1 for e in errors)} | {right} of {len(chosen)} |"
@@ -163,7 +163,8 @@ def against_async(rows: list) -> list:
             if upstream is None or r["kind"] != "oppo":
                 continue
             total += 1
-            right += (r["measured"] < upstream["measured"]) == (r["predicted"] < upstream["predicted"])
+            faster = r["predicted"]["logs"][0] < upstream["predicted"]["logs"][0]
+            right += (r["measured"] < upstream["measured"]) == faster
     return [f"OPPO against upstream async in the same run: faster or slower as measured in {right} of {total}."]
 
 
@@ -286,18 +287,24 @@ def page(results_dir: str, calibration: dict) -> str:
         "",
         *[f"- {name}: {why}" for name, why in left_out],
         "",
-        "What the model leaves out, where the table's errors come from: OPPO's own training steps ran a few per cent",
-        "longer than upstream sync's on the same tokens in most paired runs, and the simulation has no cause for it;",
-        "the scorers are costed at upstream's make_experience rate per token, with no cost per chunk call, so where",
-        "they share a GPU with decoding (one GPU, colocated) their calls slow decoding more than their tokens do;",
-        "where decoding shares a GPU with training, the two take turns by the GPU busy shares NVML logged for the",
-        "sync run, not measured beside each other.",
+        "Where the errors come from, as far as the phases logged beside the steps tell:",
+        "",
+        "- training beside decoding: in most paired runs upstream async's and OPPO's training took a few per cent",
+        "  longer than upstream sync's on the same tokens, with the engines decoding on other GPUs of the host; sync",
+        "  runs never overlap the two, so the calibration has no term for it and both are predicted a little short;",
+        "- OPPO's staged weight sync and async's paused one took longer than sync's plain one, which the model",
+        "  takes for all three;",
+        "- one GPU (colocated): the scorers are costed at upstream's make_experience rate per token with no cost per",
+        "  chunk call, so where they share the GPU with decoding their calls slow it more than the model has; and",
+        "  where decoding shares it with training the two take turns by the GPU busy shares NVML logged for the",
+        "  sync run, not measured side by side;",
+        "- the sync run's own variation from run to run carries into every prediction made from it.",
         "",
         "## The paper's settings, on paper",
         "",
         "Predictions from the calibration alone (no run of these exists), for upstream sync, upstream async with",
-        "partial rollout and OPPO with the scripts' plan (`--oppo.overcommit auto`, whose throughput rule moves",
-        f"Delta; the simulation runs it {PAPER_WARMUP} steps before the {PAPER_STEPS} it averages). Assumptions:",
+        "partial rollout and OPPO with the scripts' plan (`--oppo.overcommit auto`: the Delta its throughput rule",
+        f"holds; each system runs {PAPER_WARMUP} steps before the {PAPER_STEPS} it averages). Assumptions:",
         "",
         "- flags: examples/scripts as they are (`SYSTEM=upstream` for the sync twin; async is the same placement",
         "  with `--train.async_enable --train.partial_rollout_enable`); at 16 and 64 GPUs half the GPUs run engines,",
@@ -310,9 +317,14 @@ def page(results_dir: str, calibration: dict) -> str:
         "- costs: H200 GPUs, as in every calibrated run. A shape with fewer than two calibrated runs takes its",
         "  per-token costs from the nearest calibrated shape scaled by its parameters (the 7B shape's one run",
         "  trained under ZeRO-3 with offload, the scripts' ZeRO-2 does not), its decoding from its own run where it",
-        "  has one; the per-micro-batch training overhead, the weight sync per parameter, the dispatch and the GPU",
-        "  busy shares are the medians of the calibrated split runs. The weight sync is taken not to grow with the",
-        "  engines, and every part of a step to scale with the batch per GPU.",
+        "  has one; the fixed costs per call and per training micro-batch are the medians of the shape's split runs",
+        "  (or the nearest shape's, scaled), the weight sync per parameter, the dispatch and the GPU busy shares",
+        "  those of every calibrated split run. The weight sync is taken not to grow with the engines, and every",
+        "  part of a step to scale with the batch per GPU.",
+        "",
+        "The bound is the busiest set of GPUs' time a step (the engines decoding, or the models' GPUs making",
+        "experiences, training and syncing), the wait for samples the time a step waits for its batch after it",
+        "starts (upstream sync: all of its generation).",
         "",
         *paper_table(calibration),
         "",
