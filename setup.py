@@ -44,6 +44,7 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["openrlhf_oppo", "openrlhf_oppo.*"]),
+    package_data={"openrlhf_oppo.predict": ["calibration.json"]},  # the step predictor's calibration
     python_requires=">=3.10",
     install_requires=["packaging", "numpy", "tqdm"],
     extras_require={

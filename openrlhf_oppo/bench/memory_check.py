@@ -48,7 +48,7 @@ def _parsed(flags: tuple, shape: str):
     from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
     with contextlib.redirect_stdout(io.StringIO()):  # the plan's log line
-        return parse_args([_on_this_machine(flag, shape) for flag in flags])
+        return parse_args([on_this_machine(flag, shape) for flag in flags])
 
 
 @lru_cache(maxsize=None)
@@ -66,7 +66,7 @@ def _stand_in_folder(shape: str) -> str:
     return folder
 
 
-def _on_this_machine(flag: str, shape: str) -> str:
+def on_this_machine(flag: str, shape: str) -> str:
     for placeholder in ("WORKDIR", "SCRATCH"):
         flag = flag.replace(placeholder, _stand_in_folder(shape))
     return flag.replace("$PWD", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
