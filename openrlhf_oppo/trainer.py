@@ -18,11 +18,11 @@ from openrlhf.trainer.ppo_utils.experience import balance_experiences
 from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 from openrlhf.utils.logging_utils import init_logger
 
-from openrlhf_oppo.plan import describe
 from openrlhf_oppo.coordinator import StreamCoordinator, phase
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
+from openrlhf_oppo.plan import describe
 from openrlhf_oppo.protocol import FROZEN_ROLES, ROLES, ResourceReading, ScorerSettings, StreamSettings
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming.chunking import ChunkSizeController
