@@ -5,24 +5,23 @@ the trainer ask it, and nothing else in the trainer process talks to those actor
 the one map from roles to scoring actors, and turns a dead or silent actor into one ``OPPOActorError``
 that says which actor and what the trainer was doing.
 
-One step, in call order (``docs/design.md`` draws it; ``trainer.py`` makes the calls of steps 2 to 6 in this order:
-``StepSamplesGenerator._generate_samples``, then ``OPPOTrainer.train_step``):
+One step, in call order (``docs/design.md`` draws it; ``OPPOTrainer.train_step`` makes the calls of steps 2 to 7):
 
 1. ``connect`` once, after the models are loaded: scorers built, rollout actors told where to stream. With
    ``--oppo.policy_logprobs vllm`` the engines score the policy's log-probs themselves: for that role the
    rollout actors stand where its ranks would (rank i is engine i) and answer ``collect``, ``discard`` and
    ``stats``.
-2. ``release``: chunks held through the last training go out (inter-step overlap only); the critic's may have
+2. Generation: the rollout actors stream chunks straight to the scorers (``oppo_prefill``), no trainer call.
+3. ``hold``: once the step's groups are done, the chunks of the roles whose GPUs train only queue, until
+   ``release`` (inter-step overlap only).
+4. ``flush`` + ``collect``: the batch's queued chunks sent, every prefill awaited, the scores fetched from
+   the rank that holds each sequence (``discard`` for those training dropped).
+5. ``sync_weights``: ``pause`` / ``resume`` around the weight sync, when requests outlive the step (paused
+   only to load the new weights when they were staged while the engines decoded).
+6. ``release``: the chunks held through training go out (inter-step overlap only); the critic's may have
    gone out when its own training ended (``--oppo.critic_catch_up after_fit``), or only those of the next
    batch, its other chunks kept held until its next update (``catch_up``, ``--oppo.critic_catch_up
    next_batch``).
-3. Generation: the rollout actors stream chunks straight to the scorers (``oppo_prefill``), no trainer call.
-4. ``hold``: from the step's end until the next ``release`` the chunks of the roles whose GPUs train only
-   queue (inter-step overlap only).
-5. ``flush`` + ``collect``: the batch's queued chunks sent, every prefill awaited, the scores fetched from
-   the rank that holds each sequence (``discard`` for those training dropped).
-6. ``sync_weights``: ``pause`` / ``resume`` around the weight sync, when requests outlive the step (paused
-   only to load the new weights when they were staged while the engines decoded).
 7. ``stats``, ``resources``, ``set_chunk_size``, ``drain_traces`` once a step.
 """
 

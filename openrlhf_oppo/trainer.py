@@ -1,10 +1,10 @@
 """OPPO's PPO trainer: upstream's ``PPOTrainer`` with OPPO's samples generator and experience maker.
 
 Upstream builds its ``SamplesGenerator`` and ``RemoteExperienceMaker`` inside the trainer actor, so
-they are replaced here, after ``super().__init__``. A step is read here, top to bottom: upstream's ``fit``
-asks the samples generator for the step's samples (``StepSamplesGenerator._generate_samples`` with
-inter-step overlap), then calls ``OPPOTrainer.train_step`` with them, and between steps logs, saves and
-evaluates. This class also sets up streaming (once the models are loaded), the chunk-size and overcommit
+they are replaced here, after ``super().__init__``. A step is read in ``OPPOTrainer.train_step``, phase by phase:
+upstream's ``fit`` asks the samples generator for the step's batch (with inter-step overlap the groups'
+top-up and wait, ``OvercommitSamplesGenerator``), hands it to ``train_step``, and between steps logs, saves
+and evaluates. This class also sets up streaming (once the models are loaded), the chunk-size and overcommit
 controllers, checkpointing of carried prompts, and the ``oppo/*`` metrics and traces.
 """
 
@@ -12,7 +12,6 @@ import os
 import time
 
 import ray
-import torch
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 from openrlhf.trainer.ppo_utils.experience import balance_experiences
 from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
@@ -38,46 +37,6 @@ def wait_for_awake_colocated_engines(args, vllm_engines) -> None:
     puts to sleep (``create_vllm_engines``); patch 0013 waits there for awake ones too, which makes this a no-op."""
     if vllm_engines and args.train.colocate_all and not args.vllm.enable_sleep:
         ray.get([engine.__ray_ready__.remote() for engine in vllm_engines])
-
-
-class StepSamplesGenerator(OvercommitSamplesGenerator):
-    """The generation of an OPPO step with inter-step overlap, phase by phase, over the sampler's groups.
-    Upstream's ``fit`` calls it for the step's samples, then ``OPPOTrainer.train_step`` for the rest."""
-
-    def __init__(self, *args, pause_between_steps: bool, top_up_at_step_end: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        # Engines that share GPUs with training wait through the training phase.
-        self.pause_between_steps = pause_between_steps
-        # --oppo.top_up step_end: the next step's new prompts decode during training too.
-        self.top_up_at_step_end = top_up_at_step_end
-
-    @torch.no_grad()
-    def _generate_samples(self, **generate_kwargs):
-        # Each phase is a span of the trace's "generation" track.
-        if self.args.vllm.enable_sleep:
-            batch_vllm_engine_call(self.vllm_engines, "wake_up")
-        # Release: carried sequences stream again, their chunks held through training now meet the new weights.
-        with self.tracer.span("release", track="generation"):
-            self.coordinator.release()
-        step = self.start_step()
-        with self.tracer.span("top_up", track="generation"):
-            self.top_up(step.delta, generate_kwargs)
-        with self.tracer.span("wait", track="generation"):
-            self.wait_for_batch(step, generate_kwargs)
-        self.take_batch(step)
-        # Hold: until the next step, carried sequences only queue their chunks; the scoring GPUs are about to
-        # train, and the critic's and policy's scores would be computed with weights about to change.
-        with self.tracer.span("hold", track="generation"):
-            self.coordinator.hold()
-        if self.top_up_at_step_end:
-            with self.tracer.span("top_up", track="generation"):
-                self.top_up(self.controller.delta, generate_kwargs)
-        if self.args.vllm.enable_sleep:
-            batch_vllm_engine_call(self.vllm_engines, "sleep")
-        elif self.pause_between_steps and self.groups:
-            with self.tracer.span("pause", track="generation"):
-                self.coordinator.pause(clear_cache=False)
-        return self.finish_step(step)
 
 
 class OPPOTrainer(PPOTrainer.__ray_actor_class__):
@@ -169,13 +128,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             controller = ThroughputController(batch=args.rollout.batch_size, **bounds)
         else:
             controller = OvercommitController(**bounds)
-        return StepSamplesGenerator(
-            **kwargs,
-            controller=controller,
-            max_defer_steps=oppo.max_defer_steps,
-            pause_between_steps=self.plan.pauses_after_generation,
-            top_up_at_step_end=oppo.top_up == "step_end",
-        )
+        return OvercommitSamplesGenerator(**kwargs, controller=controller, max_defer_steps=oppo.max_defer_steps)
 
     # -- set-up once the models are loaded ----------------------------------------------------
 
@@ -212,11 +165,37 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     # -- one step -----------------------------------------------------------------------------------
 
     def train_step(self, rollout_samples, global_step):
-        """One OPPO step from its samples on: upstream's ``train_step`` (0.11.2), COPIED, with OPPO's phases marked.
-        Generation came first (``StepSamplesGenerator``: release, top-up and wait, hold, pause); here: discard,
-        flush and collect, make experience, train with the critic's hook, weight sync, engine scoring, each a span
-        of the trace's "trainer" track (flush and collect: of "make_experience")."""
+        """One OPPO step, phase by phase. Upstream's ``fit`` made the first phase, the step's generation, before
+        calling this: with inter-step overlap, top up the groups in flight to B + Delta and wait for B of them
+        (``OvercommitSamplesGenerator``). Here, each phase a span of the trace's "trainer" track:
+
+        1. end of generation (inter-step): hold the carried chunks, top up for the next step (``--oppo.top_up
+           step_end``), put the engines to sleep or pause them;
+        2. discard what training will not see; flush and collect the streamed scores, make experience;
+        3. train, with the critic's hook (``ppo_train``);
+        4. weight sync; the engines' scoring of the next batch; release the chunks held through training;
+        5. the ``oppo/*`` metrics and the step's trace.
+
+        Upstream's ``train_step`` (0.11.2), COPIED, with OPPO's phases marked."""
         lag = self._policy_lag(rollout_samples)  # before this step's update bumps the version
+        inter_step = isinstance(self.samples_generator, OvercommitSamplesGenerator)
+        # --- OPPO change: the end of generation. Hold: until the weight sync, the carried sequences' chunks for the
+        # models about to train only queue (their scores would use weights about to change). New prompts for the
+        # next step may decode through training; engines on the models' GPUs sleep or pause their requests. ---
+        t0 = time.time()
+        if inter_step:
+            with self.tracer.span("hold", track="trainer"):
+                self.coordinator.hold()
+            if self.plan.top_up == "step_end":
+                with self.tracer.span("top_up", track="trainer"):
+                    self.samples_generator.top_up_next_step(self.generate_kwargs)
+            if self.args.vllm.enable_sleep:
+                batch_vllm_engine_call(self.vllm_engines, "sleep")
+            elif self.plan.pauses_after_generation and self.samples_generator.groups:
+                with self.tracer.span("pause", track="trainer"):
+                    self.coordinator.pause(clear_cache=False)
+        end_of_generation_time = time.time() - t0
+
         # --- OPPO change: free the scores of the streamed sequences training will not see. ---
         with self.tracer.span("discard", track="trainer"):
             discarded = self._discard_dropped()
@@ -282,6 +261,11 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                     next_batch = self.samples_generator.next_batch_streams()
                     self.coordinator.release_engine_scoring(next_batch)
                 self.weight_sync_metrics["oppo/engine_scoring_batch_only"] = float(next_batch is not None)
+        # --- OPPO change: every model has its new weights: the chunks held through training go out (those that
+        # the critic's and the engines' catch-up sent, and those they keep held until their batch, aside). ---
+        if inter_step:
+            with self.tracer.span("release", track="trainer"):
+                self.coordinator.release()
         broadcast_time = time.time() - t0
 
         # Refresh KL controller with the latest measurement.
@@ -290,6 +274,8 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             self.kl_ctl.update(status["kl"], self.args.rollout.batch_size * self.args.rollout.n_samples_per_prompt)
 
         # Per-phase timing breakdown
+        if inter_step:
+            status["timing/end_of_generation"] = end_of_generation_time  # --- OPPO change ---
         status["timing/make_experience"] = make_experience_time
         status["timing/ppo_train"] = ppo_train_time
         status["timing/broadcast"] = broadcast_time

@@ -229,7 +229,7 @@ def test_bad_combinations_are_refused_with_what_to_do(extra, message):
 )
 def test_colocated_engines_pause_carried_requests_in_training_unless_they_continue(flags, pauses, resumes):
     """Where the awake engines share the models' GPUs, the trainer has them pause their carried requests when the
-    step's groups are done (``pause_between_steps``) until the weight sync; with --oppo.colocated_decode
+    step's groups are done (``Plan.pauses_after_generation``) until the weight sync; with --oppo.colocated_decode
     during_training they decode again once the experiences are made, and with continue they never pause. Under
     either, the next step's prompts may start at the step's end too."""
     plan = resolve(parse_args(BASE + ["--oppo.enable", "--oppo.overcommit", "4"] + flags))

@@ -29,9 +29,7 @@ PAUSED_S = 5  # long enough for the engine to decode a long response several tim
 def run_epochs(pipeline, path, epochs, batch, delta, max_defer_steps=2, state=None, steps=None, top_up_at_end=False):
     """Drive the overcommit sampler like PPOTrainer.fit does; return the trained groups per step."""
     loader = prompt_dataloader(path, pipeline.args, pipeline.tokenizer)
-    generator = pipeline.samples_generator(
-        loader, "overcommit", delta=delta, max_defer_steps=max_defer_steps, top_up_at_step_end=top_up_at_end
-    )
+    generator = pipeline.samples_generator(loader, "overcommit", delta=delta, max_defer_steps=max_defer_steps)
     pipeline.args.rollout.batch_size = batch
     if state is not None:
         loader.load_state_dict(state["dataloader"])
@@ -40,6 +38,8 @@ def run_epochs(pipeline, path, epochs, batch, delta, max_defer_steps=2, state=No
     for _ in range(epochs):
         while True:
             samples, _, consumed, exhausted = generator.generate_samples(**pipeline.generate_kwargs())
+            if top_up_at_end:  # what OPPOTrainer.train_step does first under --oppo.top_up step_end
+                generator.top_up_next_step(pipeline.generate_kwargs())
             history.append(
                 dict(
                     samples=samples,
@@ -106,10 +106,12 @@ def test_carried_requests_decode_through_training_only_where_the_engines_may(pip
     lengths = [4, 5, 6, 7, 200, 190, 180]
     loader = prompt_dataloader(workload(lengths, seed=24), pipeline.args, pipeline.tokenizer)
     pause = colocated_decode != "continue"
-    generator = pipeline.samples_generator(loader, "overcommit", delta=3, pause_between_steps=pause)
+    generator = pipeline.samples_generator(loader, "overcommit", delta=3)
     pipeline.args.rollout.batch_size = 4
     try:
         samples, *_ = generator.generate_samples(**pipeline.generate_kwargs())
+        if pause:  # what OPPOTrainer.train_step does first where the plan pauses after generation
+            pipeline.coordinator.pause(clear_cache=False)
         trained = Counter(groups_of(samples).keys())
         assert generator.metrics["oppo/carried_in_flight"] == 3
         if pause:
@@ -236,11 +238,12 @@ def test_the_announced_next_batch_is_the_one_the_next_step_takes(pipeline, workl
     their weights change), the next step takes them, though a group carried longer, which would come first,
     finishes in between: here the long response, topped up before the groups it overtakes."""
     loader = prompt_dataloader(workload([3] * 9 + [200], seed=61), pipeline.args, pipeline.tokenizer)
-    generator = pipeline.samples_generator(loader, "overcommit", delta=2, max_defer_steps=5, top_up_at_step_end=True)
+    generator = pipeline.samples_generator(loader, "overcommit", delta=2, max_defer_steps=5)
     monkeypatch.setattr(pipeline.args.rollout, "batch_size", 2)  # the engine tests share the args
     long_group = None
     while long_group is None or long_group.deferrals == 0:
         generator.generate_samples(**pipeline.generate_kwargs())
+        generator.top_up_next_step(pipeline.generate_kwargs())  # as under --oppo.top_up step_end
         long_group = next((g for g in generator.groups if g.label == "200"), None)
 
     deadline = time.time() + 60

@@ -82,8 +82,9 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
     names = {event["name"] for event in json.load(open(traces[-1]))["traceEvents"]}
     assert {"generation", "make_experience", "ppo_train", "weight_sync", "prefill", "fit"} <= names
     assert {"flush", "collect", "kl_advantages", "advantages"} <= names  # the parts of make_experience
-    assert {"release", "top_up", "wait", "hold"} <= names  # the parts of generation
-    # Chunks held through training reach the critic and the policy only when the next step starts.
+    assert {"top_up", "wait"} <= names  # the parts of generation
+    assert {"hold", "release"} <= names  # the carried chunks, held from generation's end to the weight sync's
+    # Chunks held through training reach the critic and the policy only once the weight sync is done.
     assert not any(prefills_while_training(trace, role) for trace in traces for role in ("critic", "policy"))
     # --oppo.profile_step 2: each trained model's second fit, operator by operator, and no other step's.
     profiles = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "trace" / "profile_*.json")))

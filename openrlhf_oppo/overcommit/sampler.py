@@ -23,6 +23,7 @@ from typing import List, Optional
 import ray
 import torch
 from openrlhf.trainer.ppo_utils.samples_generator import _collect_prompt_batch
+from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 from openrlhf.utils.logging_utils import init_logger
 from tqdm import tqdm
 
@@ -62,9 +63,10 @@ class StepRecord:
 
 class OvercommitSamplesGenerator(OPPOSamplesGenerator):
     """The prompt groups of inter-step overlap: which are in flight, done or carried, which a step takes, and
-    the checkpoint of the carried ones. A step's generation, which also holds and releases the carried chunks
-    and pauses the engines, is ``trainer.StepSamplesGenerator``'s: this class makes no call to the engines but
-    the groups' own."""
+    the checkpoint of the carried ones. Its part of a step is generation: top up the groups, wait for B of them
+    and take them. What the carried ones do from there on (held, paused, released) is the trainer's
+    (``OPPOTrainer.train_step``): this class makes no call to the engines but the groups' own and upstream's
+    wake-up."""
 
     def __init__(self, *args, controller: OvercommitController, max_defer_steps: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -76,8 +78,18 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
         self._iter_done = False  # the dataloader raised StopIteration in this epoch
         self.metrics = {}
 
+    @torch.no_grad()
     def _generate_samples(self, **generate_kwargs):
-        raise NotImplementedError("a step's generation runs in trainer.StepSamplesGenerator, over these groups")
+        # Engines put to sleep at the last step's end (--vllm.enable_sleep) wake up, as upstream's generation does.
+        if self.args.vllm.enable_sleep:
+            batch_vllm_engine_call(self.vllm_engines, "wake_up")
+        step = self.start_step()
+        with self.tracer.span("top_up", track="generation"):
+            self.top_up(step.delta, generate_kwargs)
+        with self.tracer.span("wait", track="generation"):
+            self.wait_for_batch(step, generate_kwargs)
+        self.take_batch(step)
+        return self.finish_step(step)
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -89,6 +101,15 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
     def top_up(self, delta: int, generate_kwargs) -> None:
         """Dispatch new (or restored) prompts until ``B + delta`` groups are in the system."""
         self._top_up(self.args.rollout.batch_size + delta, generate_kwargs)
+
+    def top_up_next_step(self, generate_kwargs) -> None:
+        """``--oppo.top_up step_end``: the next step's new prompts, dispatched as this step's generation ends, so
+        that they decode during training."""
+        if self._iter is None:
+            return  # this step ended the episode: the next one's prompts start with its first step
+        before = len(self.groups)
+        self.top_up(self.controller.delta, generate_kwargs)
+        self.metrics["oppo/topped_up_at_step_end"] = float(len(self.groups) - before)
 
     def wait_for_batch(self, step: StepRecord, generate_kwargs) -> None:
         step.bth_done_at = self._wait(self.args.rollout.batch_size, generate_kwargs, step.started, step.stats)
@@ -115,7 +136,7 @@ class OvercommitSamplesGenerator(OPPOSamplesGenerator):
             "oppo/groups_done_at_start": float(step.done_at_start),
             "oppo/carried_groups": float(step.carried),
             "oppo/carried_in_flight": float(step.carried_in_flight),
-            "oppo/topped_up_at_step_end": float(len(self.groups) - step.carried),
+            "oppo/topped_up_at_step_end": 0.0,  # top_up_next_step's, if the trainer calls it
             "oppo/deferred_groups_trained": float(sum(g.deferrals > 0 for g in taken)),
             "oppo/max_deferrals_trained": float(max((g.deferrals for g in taken), default=0)),
             "oppo/bth_group_done_s": step.bth_done_at,

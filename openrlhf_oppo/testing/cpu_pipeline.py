@@ -28,12 +28,12 @@ from openrlhf_oppo.config import ALL_OPTIONS as OPTIONS
 from openrlhf_oppo.coordinator import StreamCoordinator
 from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController
+from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
 from openrlhf_oppo.plan import resolve
 from openrlhf_oppo.protocol import ROLES, ScorerSettings, StreamSettings
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming import actors
 from openrlhf_oppo.streaming.rollout import CONCURRENCY_GROUPS, BoundActorClass, OPPORolloutActor
-from openrlhf_oppo.trainer import StepSamplesGenerator
 from openrlhf_oppo.weight_sync import OPPOWorkerWrap
 
 
@@ -402,13 +402,9 @@ class CPUPipeline:
         if kind == "oppo":
             return OPPOSamplesGenerator(**kwargs)
         controller = OvercommitController(initial=overcommit.get("delta", 1), auto=False)
-        # OPPOTrainer's own, steps' generation included (releasing, holding, pausing as its flags say).
-        return StepSamplesGenerator(
-            **kwargs,
-            controller=controller,
-            max_defer_steps=overcommit.get("max_defer_steps", 2),
-            pause_between_steps=overcommit.get("pause_between_steps", False),
-            top_up_at_step_end=overcommit.get("top_up_at_step_end", False),
+        # OPPOTrainer's own; what the trainer does with the carried groups between steps, a test does itself.
+        return OvercommitSamplesGenerator(
+            **kwargs, controller=controller, max_defer_steps=overcommit.get("max_defer_steps", 2)
         )
 
     def experience_maker(self, streamed: bool):
