@@ -166,13 +166,14 @@ def test_an_actor_dying_ends_the_run_with_one_line(phase, checkpoints, engine, t
 
 def test_stopping_the_ray_head_mid_step_ends_the_run(tmp_path):
     """The head's GCS dies in step 2 of a run with its own Ray cluster: Ray ends the driver after
-    ``gcs_rpc_server_reconnect_timeout_s`` (60 s by default) with one line naming the GCS, and every process
-    of the run ends (Ray's agents a little later)."""
+    ``gcs_rpc_server_reconnect_timeout_s`` (60 s by default, 10 s here) with one line naming the GCS, and every
+    process of the run ends (Ray's agents a little later)."""
     marker, log = tmp_path / "step", tmp_path / "helper.log"
     helper = subprocess.Popen(
         [sys.executable, os.path.join(os.path.dirname(__file__), "head_stop_helper.py"), str(tmp_path), str(marker)],
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
+        env=dict(os.environ, RAY_gcs_rpc_server_reconnect_timeout_s="10"),  # every process of its cluster reads it
     )
     try:
         for _ in range(600):

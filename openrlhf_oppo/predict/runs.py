@@ -2,6 +2,8 @@
 plan (from its ``train_ppo_ray`` flags, parsed and resolved as the trainer would), and its responses' lengths."""
 
 import contextlib
+import copy
+import functools
 import io
 import os
 import re
@@ -38,6 +40,12 @@ class Run:
 def parse_flags(flags: list):
     """The namespace upstream's ``train`` would get (its plan: ``plan.resolve``). Flags this OpenRLHF does not know
     (a patched upstream's) are left out; a stored run's folders point at stand-ins the preflight accepts."""
+    # A validation parses the same few command lines hundreds of times, each a run of upstream's CLI module.
+    return copy.deepcopy(_parse_flags(tuple(flags)))
+
+
+@functools.lru_cache(maxsize=None)
+def _parse_flags(flags: tuple):
     from openrlhf_oppo.bench.memory_check import on_this_machine
     from openrlhf_oppo.cli import train_ppo_ray
 

@@ -248,7 +248,11 @@ def paper_table(calibration: dict) -> list:
 
 
 def page(results_dir: str, calibration: dict) -> str:
-    rows, left_out = paired(results_dir, calibration)
+    return page_of(*paired(results_dir, calibration), calibration)
+
+
+def page_of(rows: list, left_out: list, calibration: dict) -> str:
+    """docs/prediction.md from ``paired``'s rows and the runs it left out."""
     oppo = [r for r in rows if r["kind"] == "oppo"]
     asyncs = [r for r in rows if r["kind"] == "async"]
     shapes = ", ".join(f"{s} ({v['runs']} runs)" for s, v in sorted(calibration["shapes"].items()))
