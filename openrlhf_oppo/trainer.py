@@ -178,12 +178,11 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
 
         Upstream's ``train_step`` (0.11.2), COPIED, with OPPO's phases marked."""
         lag = self._policy_lag(rollout_samples)  # before this step's update bumps the version
-        inter_step = isinstance(self.samples_generator, OvercommitSamplesGenerator)
         # --- OPPO change: the end of generation. Hold: until the weight sync, the carried sequences' chunks for the
         # models about to train only queue (their scores would use weights about to change). New prompts for the
         # next step may decode through training; engines on the models' GPUs sleep or pause their requests. ---
         t0 = time.time()
-        if inter_step:
+        if self.plan.inter_step:
             with self.tracer.span("hold", track="trainer"):
                 self.coordinator.hold()
             if self.plan.top_up == "step_end":
@@ -263,7 +262,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
                 self.weight_sync_metrics["oppo/engine_scoring_batch_only"] = float(next_batch is not None)
         # --- OPPO change: every model has its new weights: the chunks held through training go out (those that
         # the critic's and the engines' catch-up sent, and those they keep held until their batch, aside). ---
-        if inter_step:
+        if self.plan.inter_step:
             with self.tracer.span("release", track="trainer"):
                 self.coordinator.release()
         broadcast_time = time.time() - t0
@@ -274,7 +273,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             self.kl_ctl.update(status["kl"], self.args.rollout.batch_size * self.args.rollout.n_samples_per_prompt)
 
         # Per-phase timing breakdown
-        if inter_step:
+        if self.plan.inter_step:
             status["timing/end_of_generation"] = end_of_generation_time  # --- OPPO change ---
         status["timing/make_experience"] = make_experience_time
         status["timing/ppo_train"] = ppo_train_time
