@@ -307,9 +307,11 @@ def test_a_failed_actor_is_named_by_role_and_rank_with_its_own_error(ray_session
     actor that failed in ``__init__``, one whose process died."""
     from openrlhf_oppo.cli.train_ppo_ray import failure_line
     from openrlhf_oppo.launch import NamedActorGroup
+    from openrlhf_oppo.streaming.rollout import BoundActorClass
 
     trainer = _Trainer.remote()
-    critics = NamedActorGroup(2, 1, _Critic, pg=None, num_gpus_per_actor=0)
+    # Bound as --oppo.enable binds the run's plan to the model classes: the group reads the class's name through it.
+    critics = NamedActorGroup(2, 1, BoundActorClass(_Critic, {}), pg=None, num_gpus_per_actor=0)
     not_started = NamedActorGroup(2, 1, _CriticFailingToStart, pg=None, num_gpus_per_actor=0)
     waited = " while _Trainer.fit waited on it"
     cases = [

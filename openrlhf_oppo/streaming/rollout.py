@@ -505,5 +505,10 @@ class BoundActorClass:
     def remote(self, *args, **kwargs):
         return self.actor_class.remote(*args, **kwargs, **self.extra_kwargs)
 
+    @property
+    def __ray_metadata__(self):
+        # Read where a Ray actor class is expected: the actors' class name, for the line naming a failed actor.
+        return self.actor_class.__ray_metadata__
+
 
 OPPORolloutRayActor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(OPPORolloutActor)
