@@ -81,7 +81,11 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
         evaluations.append(steps[-1][learning_report.HELDOUT])
     assert evaluations[0] == evaluations[1] > 0
     oppo = results["systems"]["oppo-both-seed0"]["steps"]
-    assert all(s["oppo/fallback_micro_batches"] == 0 for s in oppo)  # the policy and reference streamed
+    # The policy and reference streamed: a micro-batch fell back to the model's forward only for a response cut at
+    # the length limit (vLLM cannot score a sequence that fills its max_model_len; test_streaming_pipeline.py). The
+    # warm-up's model differs from run to run, and so do its responses: some runs cut one.
+    for s in oppo:
+        assert s["oppo/fallback_micro_batches"] <= s["rollout/truncated_rate"] * s["rollout/num_samples"], s
     assert max(s["oppo/carried_groups"] for s in oppo) <= 1
 
     # The report comes from the raw JSON alone.

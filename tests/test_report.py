@@ -20,16 +20,50 @@ FOLDERS = sorted(str(p) + "/" for p in RESULTS.iterdir() if p.is_dir())
 
 
 @pytest.mark.parametrize("folder", RUNS, ids=[p.name for p in RUNS])
-def test_each_runs_readme_ends_with_what_its_raw_results_give(folder, tmp_path):
+def test_each_runs_readme_ends_with_what_its_raw_results_give(folder):
     results = report.run_results(str(folder))
     assert results["machine"]["gpus"] and results["command"].startswith("python -m openrlhf_oppo.bench")
     assert results["commit"], f"{folder.name}: no commit in the raw results and no commit.txt"
     readme = (folder / "README.md").read_text()
     assert readme.startswith(f"# {folder.name}\n") and readme.endswith(report.section(str(folder)))
-    report.write(results, str(tmp_path))
-    assert (tmp_path / "table.md").read_text() == report.table(results)
-    if any(r.get("summary") for r in results["systems"].values()):
-        assert (tmp_path / "breakdown.png").stat().st_size > 0 and (tmp_path / "timeline.png").stat().st_size > 0
+
+
+# A run of each kind whose plots report.write draws: by a predicate on its results, the plots expected.
+PLOTTED_KINDS = {
+    "speed": (
+        lambda results: any(r.get("summary") for r in results["systems"].values()),
+        ("breakdown.png", "timeline.png"),
+    ),
+    "learning": (
+        lambda results: "task" in results,
+        ("accuracy-by-step.png", "accuracy-by-time.png", "signals-by-step.png"),
+    ),
+    "convergence": (
+        lambda results: report.is_convergence(results) and "task" not in results,
+        ("convergence.png",),
+    ),
+    "memory": (lambda results: any(report.memory_keys(r) for r in results["systems"].values()), ("memory.png",)),
+}
+
+
+def test_report_writes_the_table_and_the_plots_of_each_kind_of_run(tmp_path):
+    """``report --out`` on the first committed run of each kind: its table.md and its plots (drawing them for
+    every run would repeat the same code for more than a minute on two cores)."""
+    found = {}
+    for folder in RUNS:
+        results = report.run_results(str(folder))
+        for kind, (is_kind, _) in PLOTTED_KINDS.items():
+            if kind not in found and is_kind(results):
+                found[kind] = results
+        if len(found) == len(PLOTTED_KINDS):
+            break
+    assert set(found) == set(PLOTTED_KINDS), f"no committed run of these kinds: {set(PLOTTED_KINDS) - set(found)}"
+    for kind, results in found.items():
+        out = tmp_path / kind
+        report.write(results, str(out))
+        assert (out / "table.md").read_text() == report.table(results)
+        for plot in PLOTTED_KINDS[kind][1]:
+            assert (out / plot).stat().st_size > 0, (kind, plot)
 
 
 @pytest.mark.process
@@ -137,8 +171,7 @@ def test_summary_ratios_and_failures(tmp_path):
     assert cells[9] == ["7.32", "failed (exit 1)", "failed (exit 1, 2 of 5 steps)"]
     assert [column[0] for column in cells[10:]] == ["2.32x", "1.38x", "2.28x", "1.35x"]
     assert [column[1:] for column in cells[10:]] == [["-", "-"]] * 4
-    report.write(report.run_results(str(folder)), str(tmp_path / "tables"))
-    assert "| oppo-inter | failed (exit 1, 2 of 5 steps) |" in (tmp_path / "tables" / "table.md").read_text()
+    assert "| oppo-inter | failed (exit 1, 2 of 5 steps) |" in report.table(report.run_results(str(folder)))
 
 
 def test_tokens_trained_are_the_responses_of_the_measured_steps():
@@ -386,7 +419,7 @@ def test_memory_table_and_plot_from_logged_memory(tmp_path):
     assert (tmp_path / "memory.png").stat().st_size > 0
 
 
-def test_cpu_table_from_host_samples_and_logged_cpu_time(tmp_path):
+def test_cpu_table_from_host_samples_and_logged_cpu_time():
     """A run with the harness's host CPU samples and OPPO's ``oppo/cpu/*``, ``oppo/<role>_fit_s`` and
     ``oppo/busy_s/<role>`` gets a row per system: the busy cores over the measured steps (mean and p90), each
     role's scoring time, each actor's CPU seconds a step and each model's fit, means over the measured steps; a
@@ -399,8 +432,7 @@ def test_cpu_table_from_host_samples_and_logged_cpu_time(tmp_path):
         step["oppo/policy_fit_s"] = 4.25
         step["oppo/busy_s/critic"] = 0.75
     run["systems"]["oppo-both"]["cpu_samples"] = [[t, float(t % 10)] for t in range(10)]  # 0..9 cores
-    report.write(run, str(tmp_path))
-    lines = (tmp_path / "table.md").read_text().splitlines()
+    lines = report.table(run).splitlines()
     header = lines.index(
         "| system | host cores busy, mean | p90 | critic scoring (s) | policy CPU s a step | rollout CPU s a step "
         "| policy fit (s) |"
@@ -410,7 +442,7 @@ def test_cpu_table_from_host_samples_and_logged_cpu_time(tmp_path):
     assert rows["upstream-sync"] == "| upstream-sync | - | - | - | - | - | - |"
 
 
-def test_state_moves_wait_only_for_runs_that_overlap_the_moves(tmp_path):
+def test_state_moves_wait_only_for_runs_that_overlap_the_moves():
     """``oppo/state_moves_wait_s`` shows for a run with ``--oppo.state_moves overlap`` in its flags; in another
     run it can only be an earlier run's key (one log folder for two tags of a system), and shows a dash."""
     run = report.run_results(str(RESULTS / "split-2gpu-1.5b-lognormal-patched-top-up-at-step-end"))
@@ -421,8 +453,7 @@ def test_state_moves_wait_only_for_runs_that_overlap_the_moves(tmp_path):
     run["systems"]["oppo-both-overlap"] = overlapped
     run["systems"]["oppo-both-overlap-one-word"] = dict(overlapped, flags=overlapped["flags"][:-2])
     run["systems"]["oppo-both-overlap-one-word"]["flags"].append("--oppo.state_moves=overlap")
-    report.write(run, str(tmp_path))
-    lines = (tmp_path / "table.md").read_text().splitlines()
+    lines = report.table(run).splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| system | host cores busy"))
     assert lines[header].endswith("| wait on state moves (s) |")
     rows = {line.split(" | ")[0][2:]: line for line in lines[header + 2 : header + 2 + len(run["systems"])]}
