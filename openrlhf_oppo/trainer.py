@@ -328,7 +328,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
         metrics = dict(getattr(self.experience_maker, "metrics", {}))
         metrics.update(getattr(self.samples_generator, "metrics", {}))
         metrics.update(self.weight_sync_metrics)  # this step's sync
-        if isinstance(self.samples_generator, OvercommitSamplesGenerator):
+        if self.plan.inter_step:
             self.samples_generator.record_reward(status["rollout/reward_mean"])
         if self.coordinator.roles:
             stats = self.coordinator.stats()  # once a step: it drains the scorers' call records
@@ -479,7 +479,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             # Upstream saves the episode its loop is in. After the step that ends it, the dataloader's state
             # starts the next epoch, so a resume must start the next episode too, or the epoch trains twice.
             client_states["episode"] = self.samples_generator.episodes_done
-        if client_states is not None and isinstance(self.samples_generator, OvercommitSamplesGenerator):
+        if client_states is not None and self.plan.inter_step:
             client_states["overcommit_sampler"] = self.samples_generator.state_dict()
         with phase("saving the logs and checkpoints"):
             super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
@@ -487,7 +487,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
         self.samples_generator.episodes_done = states["episode"]
-        if "overcommit_sampler" in states and isinstance(self.samples_generator, OvercommitSamplesGenerator):
+        if "overcommit_sampler" in states and self.plan.inter_step:
             self.samples_generator.load_state_dict(states["overcommit_sampler"])
         return states
 
