@@ -42,9 +42,15 @@ def configure(args) -> None:
     if _configured.get(id(args)) is args:
         return
     _configured[id(args)] = args
+    train_batch_given = args.train.batch_size is not None  # config.add_arguments left upstream's default out
+    if not train_batch_given:
+        args.train.batch_size = config.UPSTREAM_TRAIN_BATCH_SIZE
+    preflight.check_flags(args, train_batch_given)  # the batch and lengths the plan builds on
     run_plan = plan.resolve(args)
     plan.apply_upstream_changes(args, run_plan)
     print(f"[openrlhf-oppo] {plan.describe(run_plan)}", flush=True)
+    if run_plan.memory is not None and run_plan.memory.warning():
+        print(f"[openrlhf-oppo] warning: {run_plan.memory.warning()}", flush=True)
     config.warn_of_the_first_tokens_log_prob(args)
     preflight.check(args, run_plan)  # what the flags point at: datasets, folders, models, the cache budget
     if args.bench.seed_prompt_order:

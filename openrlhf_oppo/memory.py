@@ -492,8 +492,7 @@ def estimate(args, layout: Layout, gpu_gib: float, shapes=None, longest: Optiona
             label = f"{group.label} {index}" if group.gpus > 1 else group.label
             peaks.append(GPUPeak(label, sum(gib for _, gib in rows), phase, tuple(rows)))
     worst = max(peaks, key=lambda peak: peak.peak_gib)
-    fits = worst.peak_gib <= gpu_gib
-    return Estimate(tuple(peaks), fits, worst, gpu_gib, "" if fits else _flag_to_change(worst, layout))
+    return Estimate(tuple(peaks), worst.peak_gib <= gpu_gib, worst, gpu_gib, _flag_to_change(worst, layout))
 
 
 def _flag_to_change(peak: GPUPeak, layout: Layout) -> str:

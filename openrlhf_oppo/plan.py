@@ -104,7 +104,7 @@ class Plan:
     sync_bucket_mb: int = config.SYNC_BUCKET_MB
     choices: Tuple[Choice, ...] = ()
     upstream_changes: Tuple[Change, ...] = ()
-    memory: Optional[object] = field(default=None, compare=False)  # memory.Estimate, where the shapes are known
+    memory: Optional["MemoryPlan"] = field(default=None, compare=False)  # where the GPU and the shapes are known
 
     @property
     def inter_step(self) -> bool:
@@ -169,30 +169,15 @@ def _resolve(args) -> Plan:
     if work.train.colocate_all and oppo.memory_flags == "plan" and total is not None:
         _plan_colocated_memory(work, total, given, choices, changes)
     config.resolve_roles(work)
+    # Before the mechanisms: those that follow from the streamed roles follow from the ones that fit.
+    memory = _fit_memory(work, args, given, total, choices)
     _resolve_lag(work, given, choices)
     _resolve_mechanisms(work, given, choices)
     config.check_oppo(work, given)
     config.check_streaming_plan(work, given)
     config.check_overcommit_plan(work, given)
     config.resolve_stream_interval(oppo)
-    estimate = _fit_cache_budget(work, given, total, choices)
-    return _plan_from(work, choices, changes, estimate)
-
-
-def _fit_cache_budget(work, given, total, choices):
-    """The run's estimate; where it does not fit, the scorers' cache budget halves (down to half a GiB) unless the
-    user gave it; a run that still does not fit is refused here, before anything starts."""
-    oppo = work.oppo
-    estimate = _estimate(work, total)
-    while estimate is not None and not estimate.fits and oppo.streamed_roles and "cache_budget_gb" not in given:
-        if oppo.cache_budget_gb <= 0.5:
-            break
-        oppo.cache_budget_gb /= 2
-        estimate = _estimate(work, total)
-        choices.append(Choice("cache_budget_gb", oppo.cache_budget_gb, "the scorers' caches fit beside the rest"))
-    if estimate is not None and not estimate.fits:
-        raise OPPOConfigError(f"this run does not fit the GPU's {total:.0f} GiB: {estimate.line()}")
-    return estimate
+    return _plan_from(work, choices, changes, memory)
 
 
 # -- the lag bound -------------------------------------------------------------------------------------------
@@ -327,14 +312,136 @@ def _layout(work):
     return memory.Layout(
         vllm_awake=not work.vllm.enable_sleep,
         ds_sleep=work.ds.enable_sleep,
-        state_moves="overlap" if work.ds.enable_sleep and oppo.state_moves in ("auto", "overlap") else "serial",
+        state_moves="overlap" if work.ds.enable_sleep and oppo.state_moves == "overlap" else "serial",
         vllm_share=work.vllm.gpu_memory_utilization,
         streamed_roles=tuple(oppo.streamed_roles),
         cache_budget_gb=oppo.cache_budget_gb,
         frozen_beside_vllm=oppo.frozen_scorers_on == "generation",
         colocated_decode=work.train.colocate_all and not work.vllm.enable_sleep,
-        staged_weights=not work.train.colocate_all and not work.vllm.enable_sleep and oppo.weight_sync == "staged",
+        staged_weights=_stages_weights(work),
     )
+
+
+def _stages_weights(work) -> bool:
+    """Engines apart and awake receive the weights into a staging copy while carried requests decode
+    (``Plan.staged_sync``); without inter-step overlap nothing decodes through the sync and no copy is made."""
+    oppo = work.oppo
+    inter_step = oppo.max_lag > 0 and oppo.overcommit != 0
+    apart_awake = not work.train.colocate_all and not work.vllm.enable_sleep
+    return inter_step and apart_awake and oppo.weight_sync == "staged"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The memory plan's verdict: OPPO's estimate of each GPU's peak with what the plan kept, OpenRLHF's own with
+    the user's flags, and what was dropped to fit (``Choice``s, also in ``Plan.choices``)."""
+
+    estimate: object  # memory.Estimate
+    upstream: object  # memory.Estimate of OpenRLHF's own run with the user's flags
+    dropped: Tuple[Choice, ...] = ()
+    strict: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return _fits(self.estimate, self.estimate.gpu_gib)
+
+    def line(self) -> str:
+        oppo, upstream = self.estimate.worst, self.upstream.worst
+        where = f"GPU {oppo.label} in {oppo.phase}"
+        head = (
+            f"memory: OPPO {oppo.peak_gib:.1f}, OpenRLHF alone {upstream.peak_gib:.1f} of "
+            f"{self.estimate.gpu_gib:.1f} GiB ({where}: {_top_parts(oppo)})"
+        )
+        if self.dropped:
+            last = {c.setting: c.value for c in self.dropped}  # the budget's last halving says where it ended
+            off = [c.value.split()[-1] for c in self.dropped if c.setting == "streaming"]
+            shown = [f"{s} {_shown(v)}" for s, v in last.items() if s != "streaming"]
+            head += "; dropped to fit: " + ", ".join(shown + ([f"streaming off for {', '.join(off)}"] if off else []))
+        return head
+
+    def warning(self) -> str:
+        """One line where even the plan's leanest run is estimated not to fit, naming the flag to change."""
+        if self.fits:
+            return ""
+        worst = self.estimate.worst
+        whose = "OpenRLHF's own layout" if not _fits(self.upstream, self.upstream.gpu_gib) else "this run"
+        return (
+            f"{whose} is estimated at {worst.peak_gib:.1f} of {self.estimate.gpu_gib:.1f} GiB on GPU {worst.label} "
+            f"in {worst.phase} ({_top_parts(worst)}); it runs as given: if it runs out of memory, change "
+            f"{self.estimate.flag} (--oppo.strict_memory refuses such a run)"
+        )
+
+
+def _top_parts(peak) -> str:
+    return ", ".join(f"{name} {gib:.1f}" for name, gib in peak.parts[:4])
+
+
+# A streamed scorer keeps at least this much KV cache; below it, streaming goes before the cache does.
+MIN_CACHE_BUDGET_GB = 0.5
+# Which streamed role goes first where the scorers do not fit: the log-prob roles hold float32 logit rows in each
+# prefill besides their cache, and the policy's log-probs are also upstream's forward after generation.
+STREAM_DROP_ORDER = ("policy", "reference", "critic", "reward")
+
+
+def _fit_memory(work, args, given, total, choices) -> Optional[MemoryPlan]:
+    """OPPO's additions to each GPU's memory where they fit. Where the estimate is over the GPU they go one at a time,
+    cheapest loss first (``_drop_extras``), down to the run OpenRLHF itself makes with these flags, which OPPO runs
+    whatever the estimate says: an estimate can be wrong, and OpenRLHF would run it. ``--oppo.strict_memory``
+    refuses it instead. None where the GPU or a model's shape is unknown (the user's flags then stay)."""
+    estimate = _estimate(work, total)
+    upstream = _upstream_estimate(args, total)
+    if estimate is None or upstream is None:
+        return None
+    dropped = []
+    drops = _drop_extras(work, given)
+    while not _fits(estimate, total):
+        choice = next(drops, None)
+        if choice is None:
+            break
+        dropped.append(choice)
+        estimate = _estimate(work, total)
+    choices.extend(dropped)
+    memory = MemoryPlan(estimate, upstream, tuple(dropped), strict=work.oppo.strict_memory)
+    if memory.strict and not memory.fits:
+        raise OPPOConfigError(f"this run does not fit the GPU's {total:.1f} GiB: {memory.warning()}")
+    return memory
+
+
+def _drop_extras(work, given):
+    """OPPO's additions to a step's memory, taken back one at a time, cheapest loss first; each yields the
+    ``Choice`` that says what went and why. What the user gave stays. Vlm awake beside the models is no addition
+    here: ``_plan_colocated_memory`` takes it only where it fits."""
+    oppo = work.oppo
+    if "cache_budget_gb" not in given:
+        while oppo.streamed_roles and oppo.cache_budget_gb > MIN_CACHE_BUDGET_GB:
+            oppo.cache_budget_gb /= 2
+            yield Choice("cache_budget_gb", oppo.cache_budget_gb, "the scorers' caches fit beside the rest")
+    if _stages_weights(work) and "weight_sync" not in given:
+        oppo.weight_sync = "paused"
+        yield Choice("weight_sync", "paused", "no room for a staging copy of the weights beside vLLM")
+    if oppo.intra_step == "on" or set(config.STREAMING_ONLY) & set(given):
+        return  # streaming was asked for
+    for role in STREAM_DROP_ORDER:
+        if role in oppo.streamed_roles:
+            oppo.streamed_roles = [r for r in oppo.streamed_roles if r != role]
+            yield Choice("streaming", f"off for {role}", "its scorer's cache and prefill do not fit")
+
+
+def _upstream_estimate(args, total_gib):
+    """OpenRLHF's own run with the user's flags, without OPPO's parts."""
+    if total_gib is None:
+        return None
+    from openrlhf_oppo import memory
+
+    layout = memory.Layout(
+        vllm_awake=not args.vllm.enable_sleep,
+        ds_sleep=args.ds.enable_sleep,
+        vllm_share=args.vllm.gpu_memory_utilization,
+    )
+    try:
+        return memory.estimate(args, layout, total_gib)
+    except LookupError:
+        return None
 
 
 def _estimate(work, total_gib):
@@ -370,6 +477,7 @@ def _plan_colocated_memory(work, total, given, choices, changes) -> None:
             probe = copy.deepcopy(work)
             probe.vllm.enable_sleep, probe.ds.enable_sleep, probe.vllm.gpu_memory_utilization = False, ds_sleep, share
             probe.oppo.cache_budget_gb = budget
+            probe.oppo.state_moves = "overlap" if ds_sleep else probe.oppo.state_moves
             estimate = _estimate(probe, total)
             if estimate is None:
                 return  # the shapes are unknown: the user's flags stay
@@ -434,7 +542,7 @@ def _delta_max(batch: int, defer: int) -> int:
 # -- the plan object and its line ------------------------------------------------------------------------------
 
 
-def _plan_from(work, choices, changes, estimate) -> Plan:
+def _plan_from(work, choices, changes, memory) -> Plan:
     oppo = work.oppo
     return Plan(
         enabled=True,
@@ -475,7 +583,7 @@ def _plan_from(work, choices, changes, estimate) -> Plan:
         sync_bucket_mb=getattr(work.vllm, "sync_bucket_mb", config.SYNC_BUCKET_MB),
         choices=tuple(choices),
         upstream_changes=tuple(changes),
-        memory=estimate,
+        memory=memory,
     )
 
 
@@ -530,4 +638,6 @@ def describe(plan: Plan) -> str:
 
 
 def _shown(value) -> str:
-    return {True: "on", False: "off"}.get(value, f"{value:g}" if isinstance(value, float) else str(value))
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)

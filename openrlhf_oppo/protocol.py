@@ -123,24 +123,34 @@ class ScorerStats:
 class ResourceReading:
     """One actor process's GPU memory (PyTorch's allocated and reserved; ``num_alloc_retries`` counts cache
     flushes, a sign of fragmentation), resident host memory, and CPU seconds with its children (the engine core).
-    vLLM's own GPU memory lives in the engine's process and is not counted here."""
+    vLLM's own GPU memory lives in the engine's process and is not counted here.
+
+    ``phase_peaks``: phase -> (peak allocated, peak reserved) bytes since the start, as ``PhasePeaks`` records them
+    in a model actor (``streaming.actors.PhasePeaks``); what the memory plan estimates per role and phase (docs/memory.md).
+    """
 
     gpu_allocated_bytes: int
     gpu_reserved_bytes: int
     gpu_alloc_retries: int
     host_bytes: int
     cpu_s: float
+    phase_peaks: Dict[str, Tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
-    def of_this_process(cls) -> "ResourceReading":
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    def of_this_process(cls, phase_peaks: Optional[Dict[str, Tuple[int, int]]] = None) -> "ResourceReading":
+        cuda = _cuda_in_use()
         return cls(
             gpu_allocated_bytes=torch.cuda.memory_allocated() if cuda else 0,
             gpu_reserved_bytes=torch.cuda.memory_reserved() if cuda else 0,
             gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
             host_bytes=_resident_bytes(),
             cpu_s=_cpu_seconds(),
+            phase_peaks=dict(phase_peaks or {}),
         )
+
+
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _cpu_seconds() -> float:

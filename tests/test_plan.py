@@ -32,7 +32,7 @@ def _model(folder, shape: str) -> str:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {shape: _model(root / shape, shape) for shape in ("qwen2.5-1.5b", "qwen2.5-3b")}
+    return {shape: _model(root / shape, shape) for shape in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b")}
 
 
 def _run(actor: str, batch: int = 32, max_new_tokens: int = 2048) -> list:
@@ -229,13 +229,56 @@ def test_states_the_user_keeps_on_the_gpu_stay_there(models):
     assert not shorter.vllm_sleeps  # and at 1024 tokens vLLM awake fits beside the states
 
 
-def test_a_run_that_would_not_fit_is_refused_before_ray_starts(models):
-    with pytest.raises(OPPOConfigError, match=r"does not fit the GPU's 40 GiB: .*change --"):
-        parse_args(
-            _colocated(
-                models["qwen2.5-3b"], 4096, "--vllm.enable_sleep", "--oppo.enable", "--oppo.gpu_memory_gb", "40"
-            )
-        )
+H100 = ["--oppo.gpu_memory_gb", "79.6"]
+
+
+def test_oppo_runs_where_openrlhf_runs_dropping_its_extras_to_fit(models, capsys):
+    """One H100, 1.5B, the hybrid engine, responses up to 4096 tokens: OpenRLHF ran it. The plan drops OPPO's own
+    additions where they do not fit, never refuses the run, and its line shows OpenRLHF's own estimate beside OPPO's.
+    """
+    args = parse_args(
+        _colocated(models["qwen2.5-1.5b"], 4096, "--vllm.enable_sleep", "--ds.enable_sleep", "--oppo.enable", *H100)
+    )
+    plan = resolve(args)
+    assert plan.inter_step and plan.vllm_sleeps
+    line = describe(plan)
+    assert "OpenRLHF alone" in line and f"of {79.6:.1f} GiB" in line
+    assert plan.memory.estimate.worst.peak_gib <= plan.memory.upstream.worst.peak_gib + 1e-6 or plan.memory.fits
+
+
+def test_extras_go_one_at_a_time_cheapest_first_and_a_given_one_stays(models):
+    """On a GPU too small for the scorers' caches: the cache budget halves down to its floor, then one role after
+    the other stops streaming, the log-prob roles first, until the run fits or none streams. A budget the user gave
+    is theirs: it stays, and a run that does not fit then runs with a warning naming the flag."""
+    argv = _colocated(models["qwen2.5-0.5b"], 1024, "--oppo.enable", "--oppo.memory_flags", "as_given")
+    roomy = resolve(parse_args(argv + ["--oppo.gpu_memory_gb", "140"]))
+    tight = resolve(parse_args(argv + ["--oppo.gpu_memory_gb", "80"]))
+    assert roomy.memory.fits and not roomy.memory.dropped and roomy.streamed_roles
+    dropped = [(c.setting, c.value) for c in tight.memory.dropped]
+    assert dropped[:3] == [("cache_budget_gb", 2.0), ("cache_budget_gb", 1.0), ("cache_budget_gb", 0.5)]
+    streams_dropped = [value.split()[-1] for setting, value in dropped[3:]]
+    assert streams_dropped and streams_dropped == [
+        r for r in ("reference", "critic", "reward") if r in streams_dropped
+    ]
+    assert set(tight.streamed_roles) == set(roomy.streamed_roles) - set(streams_dropped)
+    assert tight.memory.fits or not tight.streamed_roles
+    assert "dropped to fit: cache_budget_gb 0.5, streaming off for " in describe(tight)
+
+    given = resolve(parse_args(argv + ["--oppo.gpu_memory_gb", "80", "--oppo.cache_budget_gb", "4"]))
+    assert given.cache_budget_gb == 4 and set(given.streamed_roles) == set(roomy.streamed_roles)
+    assert not given.memory.fits and "change --" in given.memory.warning()
+
+
+def test_a_run_that_does_not_fit_runs_with_a_warning_unless_strict(models):
+    """3B on a 40 GiB GPU: OpenRLHF's own layout is estimated over it. Without --oppo.strict_memory the plan
+    resolves and warns in one line naming the flag to change; with it the run is refused before Ray starts."""
+    argv = _colocated(models["qwen2.5-3b"], 4096, "--vllm.enable_sleep", "--oppo.enable", "--oppo.gpu_memory_gb", "40")
+    plan = resolve(parse_args(argv))
+    warning = plan.memory.warning()
+    assert warning.startswith("OpenRLHF's own layout is estimated at") and "change --" in warning
+    assert "\n" not in warning
+    with pytest.raises(OPPOConfigError, match=r"does not fit the GPU's 40.0 GiB: .*change --"):
+        parse_args(argv + ["--oppo.strict_memory"])
 
 
 def test_a_deferral_limit_given_alone_sets_the_lag_bound(models):

@@ -50,6 +50,32 @@ def cpu_adam_threads(args) -> int:
     return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
+class PhasePeaks:
+    """The most GPU memory a process's PyTorch allocator held during each phase of a step, over the run.
+
+    ``with peaks.phase("training"): ...`` resets the allocator's peak counters on entry and keeps the larger of
+    the old and new peaks on exit. The phases of one actor run one at a time on its main thread (the reads run
+    on another thread but only copy ``by_phase``), so the counters belong to the phase around them."""
+
+    def __init__(self):
+        self.by_phase: Dict[str, Tuple[int, int]] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            yield
+        finally:
+            if cuda:
+                allocated, reserved = self.by_phase.get(name, (0, 0))
+                self.by_phase[name] = (
+                    max(allocated, torch.cuda.max_memory_allocated()),
+                    max(reserved, torch.cuda.max_memory_reserved()),
+                )
+
+
 class StreamingScorerMixin:
     """The ``oppo_*`` methods of a scoring actor. Subclasses say which module scores."""
 
@@ -61,6 +87,12 @@ class StreamingScorerMixin:
         super().__init__(*args, **kwargs)
         # The run's plan (extension.configure binds it); a group built without one behaves as OPPO's defaults.
         self.oppo_plan = plan or OFF
+        self.oppo_peaks = PhasePeaks()
+
+    def forward(self, *args, **kwargs):
+        """Upstream's make_experience forward of whatever was not streamed, its memory peak recorded."""
+        with self.oppo_peaks.phase("make_experience"):
+            return super().forward(*args, **kwargs)
 
     def oppo_model(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -126,7 +158,8 @@ class StreamingScorerMixin:
         module.eval()
         try:
             with self.oppo_tracer.span("prefill", track=self.oppo_role, chunks=len(chunks)):
-                results = self.oppo_scorer.process(chunks)
+                with self.oppo_peaks.phase("generation"):
+                    results = self.oppo_scorer.process(chunks)
         finally:
             module.train(was_training)
         for uid, result in results.items():
@@ -153,7 +186,7 @@ class StreamingScorerMixin:
 
     @ray.method(concurrency_group=REPORT)
     def oppo_resources(self) -> ResourceReading:
-        return ResourceReading.of_this_process()
+        return ResourceReading.of_this_process(self.oppo_peaks.by_phase)
 
     @ray.method(concurrency_group=REPORT)
     def oppo_drain_trace(self) -> list:
@@ -175,7 +208,7 @@ class _TrainableScorerMixin(StreamingScorerMixin):
     def fit(self, *args, **kwargs):
         started = time.time()
         self.oppo_fits += 1
-        with self._oppo_profiler():
+        with self._oppo_profiler(), self.oppo_peaks.phase("training"):
             status = super().fit(*args, **kwargs)
         return self._after_fit(status, started)
 
@@ -237,6 +270,10 @@ class StreamingPolicyModelActor(WeightSyncPolicyMixin, _TrainableScorerMixin, Po
 
     def oppo_model(self):
         return self.actor
+
+    def broadcast_to_vllm(self):
+        with self.oppo_peaks.phase("weight_sync"):
+            return super().broadcast_to_vllm()
 
 
 # Upstream declares these with @ray.remote(num_gpus=1); RayActorGroup overrides the GPUs per placement.
