@@ -37,16 +37,19 @@ def _int_or_auto(name, minimum):
     return parse
 
 
-def _bounded(kind, name, minimum):
+def _bounded(kind, name, minimum, above=False):
+    """A number of ``kind`` at least ``minimum`` (``above``: more than it)."""
+    what = "an integer" if kind is int else "a number"
+
     def parse(value):
         try:
             number = kind(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} takes a {kind.__name__}, got {value!r}")
+            raise argparse.ArgumentTypeError(f"{name} takes {what}, got {value!r}")
         if not math.isfinite(number):
             raise argparse.ArgumentTypeError(f"{name} takes a finite number, got {value!r}")
-        if number < minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {number}")
+        if number < minimum or above and number == minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be {'>' if above else '>='} {minimum:g}, got {value}")
         return number
 
     parse.metavar = "N" if kind is int else "X"
@@ -88,11 +91,11 @@ OPTIONS = {
     ),
     "cache_budget_gb": (
         dict(
-            type=_bounded(float, "--oppo.cache_budget_gb", 0.0),
+            type=_bounded(float, "--oppo.cache_budget_gb", 0.0, above=True),
             metavar="GIB",
             help="KV cache each scoring model may hold for streamed sequences, in GiB; past it, the newest lose "
-            "their cache and are scored in full when they end. Default: 4, or less where the memory plan needs "
-            "the room.",
+            "their cache and are scored in full when they end (--oppo.intra_step off streams nothing). Default: 4, "
+            "or less where the memory plan needs the room.",
         ),
         None,
     ),
@@ -215,6 +218,14 @@ ADVANCED = {
         ),
         "plan",
     ),
+    "strict_memory": (
+        dict(
+            action="store_true",
+            help="Refuse a run whose leanest layout the memory plan estimates not to fit the GPU, instead of running "
+            "it as OpenRLHF would with a warning naming the flag to change.",
+        ),
+        False,
+    ),
     "gpu_memory_gb": (
         dict(
             type=_bounded(float, "--oppo.gpu_memory_gb", 1.0),
@@ -303,7 +314,13 @@ BENCH_OPTIONS = {
 }
 
 
+# Upstream's --train.batch_size default. add_arguments leaves it out of the parse, so that extension.configure can
+# tell a batch given from the default, which is warned of where a step makes fewer samples (preflight.check_flags).
+UPSTREAM_TRAIN_BATCH_SIZE = 128
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(**{"train.batch_size": None})
     group = parser.add_argument_group("OPPO (pipeline overlap)", "Options of openrlhf-oppo; see its README.")
     group.add_argument("--oppo.enable", action="store_true", default=False, help="Turn OPPO on. Default: off.")
     _add_options(group, OPTIONS)
@@ -513,10 +530,6 @@ def check_oppo(args, given) -> None:
         raise OPPOConfigError(
             f"--oppo.profile_step {oppo.profile_step} writes its profiles into --oppo.trace_dir: add --oppo.trace_dir."
         )
-    if oppo.overcommit_max is not None and oppo.overcommit_min > oppo.overcommit_max:
-        raise OPPOConfigError(
-            f"--oppo.overcommit_min ({oppo.overcommit_min}) is above --oppo.overcommit_max ({oppo.overcommit_max})."
-        )
 
 
 def streams(args) -> bool:
@@ -588,6 +601,17 @@ def _unused(names, what: str, instead: str) -> OPPOConfigError:
     return OPPOConfigError(f"{flags} {verb} {what}: drop {it}, or {instead}.")
 
 
+# Options that tune intra-step streaming alone: giving one asks for streaming.
+STREAMING_ONLY = (
+    "chunk_size",
+    "cache_budget_gb",
+    "prefill_calls_in_flight",
+    "flush_interval_ms",
+    "max_prefill_tokens",
+    "max_prefill_cached_tokens",
+)
+
+
 def check_streaming_plan(args, given) -> None:
     """Streaming settings that would quietly undo what was asked for."""
     oppo = args.oppo
@@ -606,15 +630,7 @@ def check_streaming_plan(args, given) -> None:
                 "reference (--algo.kl.init_coef 0), and the policy shares vLLM's GPUs (--train.colocate_all). "
                 "Use --oppo.intra_step off."
             )
-        streaming_only = (
-            "chunk_size",
-            "cache_budget_gb",
-            "prefill_calls_in_flight",
-            "flush_interval_ms",
-            "max_prefill_tokens",
-            "max_prefill_cached_tokens",
-        )
-        unused = [name for name in streaming_only if name in given]
+        unused = [name for name in STREAMING_ONLY if name in given]
         if unused:
             why = (
                 "--oppo.intra_step off"
@@ -625,12 +641,6 @@ def check_streaming_plan(args, given) -> None:
                 unused, f"intra-step streaming, which is off in this run ({why})", "stream with --oppo.intra_step on"
             )
         return
-    if oppo.cache_budget_gb == 0:
-        raise OPPOConfigError(
-            "--oppo.cache_budget_gb 0 leaves the scoring models no KV cache: every streamed sequence would be "
-            "evicted and scored in full when it ends, which is streaming's cost without its overlap. Give a budget "
-            "in GiB (default 4), or turn streaming off with --oppo.intra_step off."
-        )
     longest, flag = (args.rollout.max_new_tokens, "--rollout.max_new_tokens")
     if longest is None:
         longest, flag = args.data.max_len, "--data.max_len"

@@ -21,6 +21,7 @@ BASE = [
     "--ref.num_gpus_per_node", "2",
     "--vllm.num_engines", "1",
     "--rollout.batch_size", "16",
+    "--train.batch_size", "16",
 ]  # fmt: skip
 
 
@@ -181,7 +182,6 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.colocate_models", "--train.colocate_all"], "two different placements"),
         (["--oppo.colocate_models", "--ref.num_gpus_per_node", "1"], "--ref.num_nodes"),
         # Settings that would quietly undo what was asked for, with what to use instead.
-        (["--oppo.enable", "--oppo.cache_budget_gb", "0"], "or turn streaming off with --oppo.intra_step off"),
         (["--oppo.enable", "--oppo.chunk_size", "512", "--rollout.max_new_tokens", "512"], "a chunk size below 512"),
         (["--oppo.enable", "--oppo.intra_step", "off", "--oppo.chunk_size", "16"], "which is off in this run"),
         (
@@ -198,6 +198,16 @@ def test_help_quotes_no_benchmark_results(help_text):
         (["--oppo.enable", "--oppo.max_lag", "0", "--oppo.overcommit", "8"], "drop one of them"),
         (["--oppo.enable", "--oppo.max_lag", "2", "--oppo.max_defer_steps", "3"], "above --oppo.max_lag 2"),
         (["--oppo.enable", "--oppo.overcommit_max", "0"], "keeps Delta at 0"),
+        (
+            ["--oppo.enable", "--oppo.max_lag", "0", "--oppo.overcommit_min", "2"],
+            "--oppo.overcommit_min tunes inter-step",
+        ),
+        (["--rollout.batch_size", "0"], "--rollout.batch_size 0: it counts prompts a step"),
+        (["--oppo.enable", "--oppo.max_lag", "0", "--rollout.batch_size", "0"], "--rollout.batch_size 0: it counts"),
+        (["--rollout.max_new_tokens", "0"], "--rollout.max_new_tokens 0: vLLM generates at least one token"),
+        (["--train.batch_size", "32"], "--train.batch_size 32 is above the samples a step makes"),
+        (["--rollout.max_new_tokens", "2048"], "leaves no room for a prompt in --data.max_len 2048"),
+        (["--rollout.micro_batch_size", "16"], "makes 1 micro-batches of --rollout.micro_batch_size 16, fewer than"),
         (["--oppo.enable", "--oppo.overcommit", "8", "--data.max_samples", "20"], "use at most 4"),
         (["--oppo.enable", "--oppo.overcommit", "0", "--oppo.max_defer_steps", "3"], "--oppo.max_lag 0 turns off"),
         (["--oppo.enable", "--oppo.overcommit", "4", "--oppo.overcommit_window", "3"], "drop it, or use auto"),
@@ -208,8 +218,19 @@ def test_help_quotes_no_benchmark_results(help_text):
     ],
 )
 def test_bad_combinations_are_refused_with_what_to_do(extra, message):
-    with pytest.raises(OPPOConfigError, match=message.replace(".", r"\.")):
+    with pytest.raises(OPPOConfigError, match=message.replace(".", r"\.")) as refused:
         parse_args(BASE + extra)
+    given = {word for word in BASE + extra if word.startswith("--")}
+    named = set(re.findall(r"--[a-z_]+\.[a-z_.]+[a-z]", str(refused.value)))
+    assert named & given, f"names no flag the user gave: {refused.value}"
+
+
+def test_upstreams_default_training_batch_above_a_steps_samples_is_warned_of(capsys):
+    """Left at upstream's default (128), a training batch larger than a step's 16 samples steps the optimizer
+    once every 8 PPO steps: said, not refused, as the user did not ask for it."""
+    args = parse_args(BASE[:-2])  # without its --train.batch_size
+    assert args.train.batch_size == 128
+    assert "upstream's default --train.batch_size 128 is above the samples a step makes" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -253,12 +274,16 @@ def test_colocated_engines_pause_carried_requests_in_training_unless_they_contin
         ("max_lag", "-1"),
         ("overcommit_window", "1"),
         ("profile_step", "-1"),
+        ("cache_budget_gb", "0"),
+        ("max_lag", "1e9"),
     ],
 )
-def test_bad_values_are_refused_by_the_parser(flag, value, capsys):
+def test_bad_values_are_refused_by_the_parser_in_one_line(flag, value, capsys):
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--oppo.enable", f"--oppo.{flag}", value])
-    assert f"--oppo.{flag}" in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"openrlhf-oppo: error: --oppo.{flag} ") and line.endswith("(see --help)"), line
+    assert " a int" not in line and ">= 0.0" not in line
 
 
 ORDER = """
@@ -272,31 +297,34 @@ def order(*flags):
 print(json.dumps([order(), order(), order("--bench.seed_prompt_order", "--train.seed", "3"),
                   order("--bench.seed_prompt_order", "--train.seed", "4")]))
 """
-# The driver's own ends, each a command line and what its last line says.
+# The driver's own ends, each its flags, exit code and what its last line says.
 ENDS = {
-    "nan": (2, "--oppo.cache_budget_gb takes a finite number, got 'nan'"),
-    "0": (1, "openrlhf-oppo: error: --oppo.cache_budget_gb 0 leaves the scoring models no KV cache"),
+    "parser": (["--oppo.cache_budget_gb", "nan"], 2, "--oppo.cache_budget_gb takes a finite number, got 'nan'"),
+    "plan": (["--oppo.max_lag", "0", "--oppo.overcommit_min", "2"], 1, "--oppo.overcommit_min tunes inter-step"),
 }
 
 
 @pytest.fixture(scope="module")
 def fresh_processes():
-    """The driver run with each of ENDS' cache budgets, and ORDER in two processes, all side by side."""
+    """The driver run with each of ENDS' flags, and ORDER in two processes, all side by side."""
     driver = [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray", *BASE, "--oppo.enable"]
     order = [sys.executable, "-c", ORDER, *BASE]
-    commands = [driver + ["--oppo.cache_budget_gb", value] for value in ENDS] + [order, order]
+    commands = [driver + flags for flags, _, _ in ENDS.values()] + [order, order]
     *ends, first, second = run_together(commands, timeout=300)
     return dict(zip(ENDS, ends), orders=[first, second])
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("value", ENDS)
-def test_the_cli_ends_with_one_line_before_ray_starts(value, fresh_processes):
-    """The driver itself: its last line says what is wrong, with no traceback, and Ray never starts."""
-    code, message = ENDS[value]
-    done = fresh_processes[value]
+@pytest.mark.parametrize("end", ENDS)
+def test_the_cli_ends_with_one_line_before_ray_starts(end, fresh_processes):
+    """The driver itself: what it prints is its own, a parser error in one line, the last line says what is wrong,
+    with no traceback, and Ray never starts. The libraries' start-up notices are in the log, not on the console."""
+    _, code, message = ENDS[end]
+    done = fresh_processes[end]
     assert done.returncode == code
-    assert message in done.stderr.strip().splitlines()[-1]
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert all(line.startswith(("openrlhf-oppo: ", "[openrlhf-oppo] ")) for line in lines), lines
+    assert len(lines) <= 4 and message in lines[-1]
     assert "Traceback" not in done.stderr and "ray" not in done.stdout.lower()
 
 

@@ -31,7 +31,7 @@ def swept():
 
 def test_every_bad_input_is_refused_in_one_line(swept):
     categories = {case.category for case, _ in swept}
-    assert len(swept) >= 30 and len(categories) == 7, categories
+    assert len(swept) >= 30 and len(categories) == 8, categories
     for case, line in swept:
         assert line is not None, f"not refused: {case.shown()}"
         assert "\n" not in line and ("--" in line or "/" in line), line
@@ -103,6 +103,21 @@ def test_every_local_format_upstream_loads_passes_and_loads(tmp_path):
     preflight._check_dataset("--eval.dataset", str(tmp_path / "splits"), keys, ("--eval.split", "test"))
     with pytest.raises(OPPOConfigError, match=r"has the splits train, test, not 'validation' \(--eval.split\)"):
         preflight._check_dataset("--eval.dataset", str(tmp_path / "splits"), keys, ("--eval.split", "validation"))
+
+
+def test_a_data_file_is_read_through_or_its_first_rows(tmp_path, monkeypatch):
+    """Upstream's loader parses every row: a file of reasonable size is read through, a broken row far down
+    refused by its number; of a larger file the first ROWS_READ rows are checked."""
+    rows = "".join(json.dumps({"input": f"{i}+1="}) + "\n" for i in range(5))
+    path = tmp_path / "p.jsonl"
+    path.write_text(rows + '{"input": "5+1="\n')
+    keys = [("--data.input_key", "input")]
+    with pytest.raises(OPPOConfigError, match=r"its row 6 \(line 6\) is not JSON"):
+        preflight._check_dataset("--data.prompt_dataset", str(path), keys, ("--data.prompt_split", "train"))
+    monkeypatch.setattr(preflight, "READ_THROUGH_BYTES", 10)
+    monkeypatch.setattr(preflight, "ROWS_READ", 5)
+    read = preflight._check_dataset("--data.prompt_dataset", str(path), keys, ("--data.prompt_split", "train"))
+    assert len(read.rows) == 5 and not read.complete
 
 
 @pytest.mark.parametrize(

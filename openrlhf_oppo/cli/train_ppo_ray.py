@@ -19,14 +19,14 @@ Without OPPO flags the run is upstream's, step for step.
 """
 
 import argparse
+import importlib
 import re
 import runpy
 import sys
 import traceback
 from contextlib import contextmanager
 
-from openrlhf_oppo import actor_errors, compat, config, extension
-from openrlhf_oppo.coordinator import OPPOActorError
+from openrlhf_oppo import actor_errors, compat, config, extension, quiet
 
 UPSTREAM = "openrlhf.cli.train_ppo_ray"
 
@@ -53,6 +53,7 @@ def _upstream_hooks(train=None, wrap_train=None):
             parser._option_string_actions
         ):
             config.add_arguments(parser)
+            parser.error = _one_line_error(parser)
         return parse_args(parser, args, namespace)
 
     def hierarchize_and_validate(args):
@@ -75,6 +76,16 @@ def _upstream_hooks(train=None, wrap_train=None):
         upstream_config.hierarchize = hierarchize
 
 
+def _one_line_error(parser):
+    """A parser error as one line and where to look, instead of argparse's usage of every option before it."""
+
+    def error(message):
+        message = re.sub(r"^argument (\S+): (?=\1 )", "", message)  # the option's own message names it
+        parser.exit(2, f"openrlhf-oppo: error: {message} (see --help)\n")
+
+    return error
+
+
 def parse_args(argv):
     """Upstream's parsing and checks of a ``train_ppo_ray`` command line, OPPO's included, without training.
 
@@ -91,13 +102,28 @@ def parse_args(argv):
     return captured[0]
 
 
+# What upstream's driver imports first: imported here, inside quiet.filtered, so that their start-up notices stay
+# in the log.
+UPSTREAM_IMPORTS = (
+    "ray",
+    "openrlhf.trainer.ray",
+    "openrlhf.trainer.ray.launcher",
+    "openrlhf.trainer.ray.ppo_actor",
+    "openrlhf.trainer.ray.ppo_critic",
+    "openrlhf.utils",
+)
+
+
 def main() -> None:
     try:
         compat.check_versions()
     except compat.UnsupportedVersion as error:
         sys.exit(f"openrlhf-oppo: {error}")
     ahead = _read_ahead(sys.argv[1:])
-    extension.install(ahead.enable, ahead.lengths_from_label)
+    with quiet.filtered():
+        for module in UPSTREAM_IMPORTS:
+            importlib.import_module(module)
+        extension.install(ahead.enable, ahead.lengths_from_label)
     from openrlhf_oppo import launch
 
     with _upstream_hooks(wrap_train=launch.guard):
@@ -130,6 +156,8 @@ def failure_line(error: BaseException):
     error, whether it raised in a call, failed in ``__init__``, or died. Raised in the trainer actor, the error
     reaches the driver wrapped in Ray's ``RayTaskError``, whose traceback buries that under Ray's own frames."""
     import ray.exceptions
+
+    from openrlhf_oppo.coordinator import OPPOActorError
 
     outer = error
     while isinstance(error, ray.exceptions.RayTaskError) and getattr(error, "cause", None) is not None:

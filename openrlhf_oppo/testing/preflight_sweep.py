@@ -40,6 +40,7 @@ def good_argv(root: str) -> List[str]:
         "--logger.tensorboard_dir", f"{root}/out/tb",
         "--vllm.num_engines", "1",
         "--rollout.batch_size", "8",
+        "--train.batch_size", "8",
         "--oppo.enable",
         "--oppo.trace_dir", f"{root}/out/trace",
     ]  # fmt: skip
@@ -55,6 +56,12 @@ def build_sandbox(root: str) -> None:
     other = [{"question": row["input"]} for row in rows]
     files = {
         "data/prompts.jsonl": "".join(json.dumps(row) + "\n" for row in rows),
+        "data/broken_row.jsonl": "".join(json.dumps(row) + "\n" for row in rows[:2]) + '{"input": "2+1=", "answer"\n',
+        "data/row_without_input.jsonl": "".join(json.dumps(row) + "\n" for row in rows[:2] + other[2:]),
+        "data/two_types.jsonl": "".join(
+            json.dumps(dict(row, answer=i + 1 if i else str(i + 1))) + "\n" for i, row in enumerate(rows)
+        ),
+        "data/ragged.csv": "input,answer\n1+1=,2\n2+1=,3,extra\n",
         "data/empty.jsonl": "",
         "data/blank.jsonl": "\n\n",
         "data/question.jsonl": "".join(json.dumps(row) + "\n" for row in other),
@@ -82,6 +89,11 @@ def build_sandbox(root: str) -> None:
             with open(os.path.join(root, folder, "config.json"), "w") as f:
                 json.dump(dict(model_type="qwen2", **tiny.SHAPES[shape]), f)
     os.makedirs(os.path.join(root, "models", "no_config"), exist_ok=True)
+    os.makedirs(os.path.join(root, "models", "bad_config"), exist_ok=True)
+    with open(os.path.join(root, "models", "bad_config", "config.json"), "w") as f:
+        f.write('{"model_type": "qwen2", "hidden_size": 64,}\n')
+    # The actor's tokenizer counts the prompts against --data.max_len (one token a byte).
+    tiny.make_tokenizer(os.path.join(root, "models", "actor"), tiny.SHAPES["tiny"]["vocab_size"])
 
 
 def _write_parquet(root: str) -> None:
@@ -128,6 +140,7 @@ def _bench(system: str, placement: str, gpus: int, workload: str = "bench") -> C
 
 
 D, F, M, R, B, C, S = "datasets", "folders", "model paths", "resources", "budgets", "flag combinations", "benchmark"
+L = "batch and lengths"
 CASES = [
     Case(D, "a prompt file that does not exist", [("data.prompt_dataset", "{root}/data/missing.jsonl")]),
     Case(D, "a relative data file that does not exist", [("data.prompt_dataset", "prompts-nowhere.jsonl")]),
@@ -144,6 +157,10 @@ CASES = [
     Case(D, "a parquet file without rows", [("data.prompt_dataset", "{root}/data/none.parquet")]),
     Case(D, "a file that is not parquet", [("data.prompt_dataset", "{root}/data/broken.parquet")]),
     Case(D, "a CSV file without the input column", [("data.prompt_dataset", "{root}/data/question.csv")]),
+    Case(D, "a later row that is not JSON", [("data.prompt_dataset", "{root}/data/broken_row.jsonl")]),
+    Case(D, "a later row without the input key", [("data.prompt_dataset", "{root}/data/row_without_input.jsonl")]),
+    Case(D, "a key of two types", [("data.prompt_dataset", "{root}/data/two_types.jsonl")]),
+    Case(D, "a CSV row with a field too many", [("data.prompt_dataset", "{root}/data/ragged.csv")]),
     Case(D, "a file type upstream does not load", [("data.prompt_dataset", "{root}/data/prompts.txt")]),
     Case(D, "a folder without data files", [("data.prompt_dataset", "{root}/data/empty_folder")]),
     Case(D, "a folder whose data lack the input key", [("data.prompt_dataset", "{root}/data/question_folder")]),
@@ -168,6 +185,7 @@ CASES = [
     Case(F, "traces under a file", [("oppo.trace_dir", "{root}/a_file/trace")]),
     Case(M, "an actor checkpoint that does not exist", [("actor.model_name_or_path", "{root}/models/gone")]),
     Case(M, "an actor folder without config.json", [("actor.model_name_or_path", "{root}/models/no_config")]),
+    Case(M, "an actor whose config.json is not JSON", [("actor.model_name_or_path", "{root}/models/bad_config")]),
     Case(M, "a reward model that is a file", [("reward.model_name_or_path", "{root}/a_file")]),
     Case(M, "the second of two reward models missing", [("reward.model_name_or_path", "{root}/models/reward,./gone")]),
     Case(M, "a relative critic path that does not exist", [("critic.model_name_or_path", "./models/critic")]),
@@ -201,6 +219,19 @@ CASES = [
         "a budget below the critic's sequence (larger than the actor)",
         [("critic.model_name_or_path", "{root}/models/7b"), ("data.max_len", 8192), ("oppo.cache_budget_gb", 0.25)],
     ),
+    Case(L, "no prompts a step", [("rollout.batch_size", 0)]),
+    Case(L, "no prompts a step, without inter-step overlap", [("rollout.batch_size", 0), ("oppo.max_lag", 0)]),
+    Case(L, "no tokens a response", [("rollout.max_new_tokens", 0)]),
+    Case(L, "a negative response limit", [("rollout.max_new_tokens", -1)]),
+    Case(L, "a training batch above a step's samples", [("train.batch_size", 64)]),
+    Case(L, "fewer micro-batches than actor ranks", [("actor.num_gpus_per_node", 4), ("rollout.micro_batch_size", 4)]),
+    Case(L, "a response limit that leaves no room for a prompt", [("rollout.max_new_tokens", 1024)]),
+    Case(
+        L,
+        "a length limit below the longest prompt and the response",
+        [("data.max_len", 64), ("rollout.max_new_tokens", 62)],
+    ),
+    Case(C, "a bound of Delta while inter-step overlap is off", [("oppo.max_lag", 0), ("oppo.overcommit_min", 2)]),
     Case(C, "no prompt dataset", [("data.prompt_dataset", None)]),
     Case(C, "a split a single file does not have", [("data.prompt_split", "test")]),
     Case(
@@ -244,8 +275,8 @@ def _set(args, dotted: str, value) -> None:
 
 
 def refusal(case: Case, good, root: str) -> Optional[str]:
-    """The line the CLI would print for ``case``, or None if it passes: ``preflight.check`` as ``configure``
-    runs it, then ``preflight.check_launch`` on the case's machine."""
+    """The line the CLI would print for ``case``, or None if it passes: ``preflight.check_flags`` and
+    ``preflight.check`` as ``configure`` runs them, then ``preflight.check_launch`` on the case's machine."""
     from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
     try:
@@ -255,6 +286,7 @@ def refusal(case: Case, good, root: str) -> Optional[str]:
             args = copy.deepcopy(good)
             for dotted, value in case.flags:
                 _set(args, dotted, value.replace("{root}", root) if isinstance(value, str) else value)
+            preflight.check_flags(args)
             preflight.check(args)
         preflight.check_launch(args, case.machine, "this machine")
     except OPPOConfigError as error:
@@ -284,11 +316,16 @@ Generated by `python -m openrlhf_oppo.testing.preflight_sweep` (`tests/test_pref
 `openrlhf-oppo: error: ...`, that names the flag or path and what to change.
 
 * From `extension.configure`, for every run through `python -m openrlhf_oppo.cli.train_ppo_ray` or upstream's
-  patched driver, OPPO on or off: the datasets (exist, not empty, the input and label keys in the first row;
-  local files and folders only: a hub name is not checked offline), the folders the run writes (the folder or
-  its first existing parent is a writable folder; nothing is created), the local model checkpoints
-  (`config.json`), a local reward function or agent file, and with `--oppo.enable` the KV cache budget against
-  one sequence at `--data.max_len` in each streamed model.
+  patched driver, OPPO on or off, first the batch and length flags (counts of at least one, a training batch no
+  larger than a step's samples, a response limit that leaves a prompt room in `--data.max_len`, a micro-batch for
+  each actor rank; left at upstream's default 128, a training batch above a step's samples is warned of), then
+  the datasets (exist, not empty, every row parses and has the input and label keys, each of one type: a JSON,
+  JSON lines or CSV file read through up to 64 MiB, else its first 10000 rows; local files and folders only: a hub
+  name is not checked offline), the prompts read against `--data.max_len` (built as upstream builds them, counted
+  with the actor's tokenizer where it is a local folder), the folders the run writes (the folder or its first
+  existing parent is a writable folder; nothing is created), the local model checkpoints (a `config.json`
+  transformers can read), a local reward function or agent file, and with `--oppo.enable` the KV cache budget
+  against one sequence at `--data.max_len` in each streamed model.
 * When the CLI starts a run (not in `parse_args`, which tests and the demo use without GPUs):
   `--actor.model_name_or_path` and `--data.prompt_dataset` given, and the GPUs and CPUs the placement asks for,
   against the Ray cluster if Ray is up, or this machine if Ray is about to start here; a cluster named by
