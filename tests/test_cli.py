@@ -301,6 +301,7 @@ print(json.dumps([order(), order(), order("--bench.seed_prompt_order", "--train.
 ENDS = {
     "parser": (["--oppo.cache_budget_gb", "nan"], 2, "--oppo.cache_budget_gb takes a finite number, got 'nan'"),
     "plan": (["--oppo.max_lag", "0", "--oppo.overcommit_min", "2"], 1, "--oppo.overcommit_min tunes inter-step"),
+    "upstream": (["--algo.advantage.estimator", "group_norm"], 1, "group_norm requires n_samples_per_prompt > 1"),
 }
 
 

@@ -13,7 +13,8 @@ unchanged (``runpy``) with three hooks around it:
    around upstream's ``train``: the GPUs and CPUs checked, placement groups that wait at most 30 s.
 
 A run that stops because an actor failed ends with one line naming the actor and its own error
-(``failure_line``), printed before the traceback as well.
+(``failure_line``), printed before the traceback as well; one that upstream's own checks of its flags refuse (its
+assertions before ``train``), with the assertion's message.
 
 Without OPPO flags the run is upstream's, step for step.
 """
@@ -126,11 +127,25 @@ def main() -> None:
         extension.install(ahead.enable, ahead.lengths_from_label)
     from openrlhf_oppo import launch
 
-    with _upstream_hooks(wrap_train=launch.guard):
+    started = []  # upstream's train() has been called: its flags passed upstream's own checks
+
+    def guarded(train):
+        def run(args):
+            started.append(True)
+            return launch.guard(train)(args)
+
+        return run
+
+    with _upstream_hooks(wrap_train=guarded):
         try:
             runpy.run_module(UPSTREAM, run_name="__main__", alter_sys=True)
         except config.OPPOConfigError as error:
             _exit_with(str(error))
+        except AssertionError as error:
+            if started or not str(error):
+                raise
+            # Upstream checks its flags with assertions after parsing them: the message is the whole story.
+            _exit_with(f"{error} (OpenRLHF's check of its flags)")
         except Exception as error:  # noqa: BLE001 - everything else goes on as raised
             line = failure_line(error)
             if line is None:
