@@ -12,6 +12,8 @@ lengths) are built on the spot.
   ``OPPOTrainer``; the DeepSpeed training step is replaced by a stand-in (the weights stay as they are),
   since it needs a GPU. It first checks that the streamed scores equal upstream's, then runs a few PPO
   steps per system and prints what OPPO did in them. It is a pipeline check: it measures no speed.
+  The console shows the demo's own lines; the libraries' output (progress bars, start-up notices, load
+  reports) goes to ``<out>/library.log``.
 """
 
 import argparse
@@ -26,6 +28,11 @@ import time
 from contextlib import contextmanager
 
 PROGRESS_EVERY_S = 10  # how often a long stage says it is still going
+_console = None  # where the demo's own lines go while everything else goes to the log (None: stdout)
+
+
+def say(*parts) -> None:
+    print(*parts, file=_console or sys.stdout, flush=True)
 
 
 def main():
@@ -33,10 +40,26 @@ def main():
     parser.add_argument("--steps", type=int, default=4, help="measured steps per system")
     parser.add_argument("--out", default="runs/demo")
     args = parser.parse_args()
-    if _has_gpu():
+    global _console
+    from openrlhf_oppo import quiet
+
+    os.makedirs(args.out, exist_ok=True)
+    log = os.path.join(args.out, "library.log")
+    open(log, "w").close()
+    with quiet.filtered(log):  # torch's import notices
+        gpu = _has_gpu()
+    if gpu:
         run_gpu(args)
-    else:
-        run_cpu(args)
+        return
+    with quiet.to_log(log) as console:
+        _console = console
+        try:
+            run_cpu(args, log)
+        except BaseException:
+            say(f"[demo] stopped; the libraries' output, the traceback's last lines included: {log}")
+            raise
+        finally:
+            _console = None
 
 
 def _has_gpu() -> bool:
@@ -57,7 +80,7 @@ def run_gpu(args):
     sys.exit(subprocess.call(command))
 
 
-def run_cpu(args):
+def run_cpu(args, log):
     import ray
 
     from openrlhf_oppo import tiny
@@ -66,9 +89,14 @@ def run_cpu(args):
 
     os.makedirs(args.out, exist_ok=True)
     shutil.rmtree(os.path.join(args.out, "tb"), ignore_errors=True)  # steps of an earlier demo would count
-    print("[demo] a pipeline check on CPU: OpenRLHF's PPO step against OPPO's, on a tiny random model")
-    print("[demo] building a tiny tokenizer, random Qwen2 checkpoints and a long-tail prompt set")
+    say("[demo] a pipeline check on CPU: OpenRLHF's PPO step against OPPO's, on a tiny random model")
+    say(f"[demo] the libraries' own output (progress bars, start-up notices) goes to {log}")
+    say("[demo] building a tiny tokenizer, random Qwen2 checkpoints and a long-tail prompt set")
     actor, reward = tiny.make_checkpoints(os.path.join(args.out, "models"))
+    say(
+        "[demo] the reward model is the random actor with a new value head: transformers' load report lists "
+        "score.weight as MISSING (newly initialized), as it should here"
+    )
     batch, n_samples = 4, 2
     lengths = tiny.response_lengths(batch * (args.steps + 2), "lognormal", mean=24, sigma=1.0, low=2, high=160)
     prompts = os.path.join(args.out, "prompts.jsonl")
@@ -122,9 +150,9 @@ def run_cpu(args):
         pipeline.kill()
         steps = report.read_steps(tb)
         results[system] = dict(steps=len(steps), summary=report.summarize(steps[1 : 1 + args.steps]))
-    print()
-    print(pipeline_check(results, worst))
-    print(f"Per-step logs: tensorboard --logdir {os.path.join(args.out, 'tb')}")
+    say()
+    say(pipeline_check(results, worst))
+    say(f"Per-step logs: {_command('tensorboard')} --logdir {os.path.join(args.out, 'tb')}")
 
 
 def pipeline_check(results: dict, worst: float) -> str:
@@ -160,9 +188,19 @@ def pipeline_check(results: dict, worst: float) -> str:
         ),
         "What it did not measure: speed. The engine, the four models and the trainer share a few CPU cores, and"
         " the training step is a stand-in (DeepSpeed needs a GPU), so CPU step times say nothing about GPUs."
-        " Speed on GPUs: docs/RESULTS.md, and python -m openrlhf_oppo.bench (docs/benchmark.md).",
+        f" Speed on GPUs: docs/RESULTS.md, and {_command('python')} -m openrlhf_oppo.bench (docs/benchmark.md).",
     ]
     return "\n".join(lines)
+
+
+def _command(name: str) -> str:
+    """``name`` as this interpreter's environment has it, as a user would type it from here: the demo runs from
+    a virtual environment that is often not on PATH (.venv/bin/python -m openrlhf_oppo.demo)."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    if not os.path.exists(here):
+        return name
+    relative = os.path.relpath(here)
+    return relative if not relative.startswith("..") else here
 
 
 def _share(value):
@@ -178,11 +216,11 @@ def _progress(label, status=None):
     """Say every few seconds that the stage is still going (and ``status()``, how far it got): engine starts
     and PPO steps take tens of seconds on CPU."""
     stop, started = threading.Event(), time.time()
-    print(f"[demo] {label} ...", flush=True)
+    say(f"[demo] {label} ...")
 
     def tick():
         while not stop.wait(PROGRESS_EVERY_S):
-            print(f"[demo]   ... {time.time() - started:.0f} s" + (f", {status()}" if status else ""), flush=True)
+            say(f"[demo]   ... {time.time() - started:.0f} s" + (f", {status()}" if status else ""))
 
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
@@ -191,7 +229,7 @@ def _progress(label, status=None):
     finally:
         stop.set()
         ticker.join()
-    print(f"[demo]   done in {time.time() - started:.0f} s", flush=True)
+    say(f"[demo]   done in {time.time() - started:.0f} s")
 
 
 def _steps_logged(logs_dir) -> int:
@@ -220,7 +258,7 @@ def check_streamed_scores(ppo_args, actor, reward, engine, prompts):
         for name in ("rewards", "values", "action_log_probs", "advantages", "returns"):
             worst = max(worst, (getattr(ours, name) - getattr(theirs, name)).abs().max().item())
     verdict = "equal" if worst <= 1e-5 else "DIFFERENT"
-    print(f"[demo] streamed scores vs upstream's full forward (float32): max |diff| = {worst:.2e}: {verdict}")
+    say(f"[demo] streamed scores vs upstream's full forward (float32): max |diff| = {worst:.2e}: {verdict}")
     pipeline.disconnect()
     pipeline.kill()
     if worst > 1e-5:

@@ -44,3 +44,24 @@ def test_progress_ticks_with_the_steps_logged_and_lets_errors_through(monkeypatc
         with demo._progress("a failing stage"):
             1 / 0
     assert "done" not in capsys.readouterr().out
+
+
+def test_the_libraries_start_up_notices_are_held_back_and_everything_else_shown():
+    """The lines torch, vLLM and DeepSpeed print as they import on a machine without a GPU; a warning's source
+    line goes with it, and any other line, an error included, is shown."""
+    from openrlhf_oppo import quiet
+
+    printed = (
+        "/x/torch/cuda/__init__.py:64: FutureWarning: The pynvml package is deprecated. Please install nvidia-ml-py.\n"
+        "  import pynvml  # type: ignore[import]\n"
+        "WARNING 12-06 21:06:40 [importing.py:83] Triton is installed, but `triton.backends` could not be imported.\n"
+        "INFO 12-06 21:06:40 [importing.py:98] Triton not installed or not compatible; certain GPU-related functions\n"
+        "[2026-12-06 21:06:41,068] [WARNING] [real_accelerator.py:199:get_accelerator] Setting accelerator to CPU.\n"
+        "[openrlhf-oppo] OPPO on: intra-step streaming\n"
+        "  an indented line of the run's own\n"
+        "RuntimeError: CUDA out of memory\n"
+    )
+    assert quiet.shown(printed) == (
+        "[openrlhf-oppo] OPPO on: intra-step streaming\n  an indented line of the run's own\n"
+        "RuntimeError: CUDA out of memory\n"
+    )
