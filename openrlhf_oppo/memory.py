@@ -26,7 +26,7 @@ docs/memory.md lists the parts and compares the estimate with every stored run.
 """
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Dict, Optional, Tuple
 
@@ -194,6 +194,15 @@ class GPUPeak:
     peak_gib: float
     phase: str
     parts: tuple  # (name, GiB) of the peak phase, largest first
+    phases: dict = field(default_factory=dict, compare=False)  # every phase's (name, GiB) parts
+
+    def role_gib(self, role: str, phase: str) -> float:
+        """What one role's process holds on this GPU in a phase (its parts, without its CUDA context): what the
+        process's caching allocator reserves there. A trained role's ``training`` is its own fit's phase where the
+        fits run one after the other."""
+        rows = self.phases.get(f"training ({role})", self.phases["training"]) if phase == "training" else None
+        rows = rows if rows is not None else self.phases[phase]
+        return sum(gib for name, gib in rows if name.startswith(f"{role} "))
 
 
 @dataclass(frozen=True)
@@ -486,11 +495,13 @@ def estimate(args, layout: Layout, gpu_gib: float, shapes=None, longest: Optiona
     peaks = []
     for group in _placement(args, layout):
         for index in range(group.gpus):
-            phases = _gpu_phases(sizes, layout, group, index, gpu_gib)
-            phase = max(phases, key=lambda name: sum(b for _, b in phases[name]))
-            rows = sorted(((name, b / GIB) for name, b in phases[phase] if b > 0), key=lambda row: -row[1])
+            phases = {
+                name: tuple(sorted(((part, b / GIB) for part, b in rows if b > 0), key=lambda row: -row[1]))
+                for name, rows in _gpu_phases(sizes, layout, group, index, gpu_gib).items()
+            }
+            phase = max(phases, key=lambda name: sum(gib for _, gib in phases[name]))
             label = f"{group.label} {index}" if group.gpus > 1 else group.label
-            peaks.append(GPUPeak(label, sum(gib for _, gib in rows), phase, tuple(rows)))
+            peaks.append(GPUPeak(label, sum(gib for _, gib in phases[phase]), phase, phases[phase], phases))
     worst = max(peaks, key=lambda peak: peak.peak_gib)
     return Estimate(tuple(peaks), worst.peak_gib <= gpu_gib, worst, gpu_gib, _flag_to_change(worst, layout))
 

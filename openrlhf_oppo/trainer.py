@@ -527,7 +527,8 @@ def resource_metrics(readings: dict, cpu_seconds: dict) -> dict:
     states, the scorer's KV caches) and ``<kind>_gpu_reserved_gb`` (PyTorch's allocator), and
     ``<kind>_alloc_retries`` (times the allocator had to free its cache, since the start), and
     ``<kind>_<phase>_peak_gb``, the most the allocator reserved during that phase (generation, make_experience,
-    training, weight_sync) since the start: what docs/memory.md compares the memory plan with, role by role. Over a long run, a
+    training, weight_sync) since the start (``_peak_allocated_gb``: the tensors' own), what docs/memory.md compares
+    the memory plan with, role by role. Over a long run, a
     value that keeps climbing is a leak. ``oppo/cpu/<kind>_s``: CPU seconds used since the last step (the
     rollout actor's include its vLLM engine core), to tell a host short of cores from a slow GPU.
     ``cpu_seconds`` holds each actor's total from the last step and is updated here.
@@ -541,8 +542,9 @@ def resource_metrics(readings: dict, cpu_seconds: dict) -> dict:
             metrics[f"oppo/memory/{kind}_gpu_reserved_gb"] = max(r.gpu_reserved_bytes for r in per_rank) / 2**30
             metrics[f"oppo/memory/{kind}_alloc_retries"] = float(max(r.gpu_alloc_retries for r in per_rank))
             for phase in sorted({phase for r in per_rank for phase in r.phase_peaks}):
-                reserved = max(r.phase_peaks.get(phase, (0, 0))[1] for r in per_rank)
+                allocated, reserved = (max(r.phase_peaks.get(phase, (0, 0))[i] for r in per_rank) for i in (0, 1))
                 metrics[f"oppo/memory/{kind}_{phase}_peak_gb"] = reserved / 2**30
+                metrics[f"oppo/memory/{kind}_{phase}_peak_allocated_gb"] = allocated / 2**30
         used = [max(r.cpu_s - cpu_seconds.get((kind, i), 0.0), 0.0) for i, r in enumerate(per_rank)]
         metrics[f"oppo/cpu/{kind}_s"] = max(used)
         cpu_seconds.update({(kind, i): r.cpu_s for i, r in enumerate(per_rank)})

@@ -51,8 +51,8 @@ def test_runs_that_finished_are_refused_only_near_the_limit():
             assert estimate.fits or estimate.worst.peak_gib <= limit, (run, system, estimate.line())
 
 
-def test_the_docs_table_is_current(rows):
-    expected = memory_check.table(rows) + "\n" + memory_check.refusal_table(memory_check.refusals(RESULTS))
+def test_the_docs_table_is_current():
+    expected = memory_check.validation(RESULTS)
     doc = (ROOT / "docs" / "memory.md").read_text()
     assert memory_check.replace_table(doc, expected) == doc, "python -m openrlhf_oppo.bench.memory_check " + (
         "docs/results --into docs/memory.md"
@@ -106,3 +106,27 @@ def test_model_shape_reads_a_checkpoint_and_no_network(tmp_path):
     assert shape.vocab_size == tiny.SHAPES["tiny"]["vocab_size"]
     assert memory.model_shape(reward_dir).value_params == shape.params + shape.hidden_size
     assert memory.model_shape("openrlhf-oppo-test/no-such-model") is None
+
+
+def _upstream_runs():
+    """(run, system, results, result) of every stored OpenRLHF sync system that ran its measured steps."""
+    for run, results in memory_check.speed_runs(RESULTS):
+        for system, result in results["systems"].items():
+            if system.startswith("upstream-sync") and report.gpu_memory_peaks(result):
+                yield run, system, results, result
+
+
+def test_oppo_resolves_wherever_openrlhf_ran():
+    """Every stored run where OpenRLHF sync ran its steps, given --oppo.enable on its own card's memory: the plan
+    resolves (OPPO's additions are dropped where they do not fit, never the run), and its line shows OpenRLHF's
+    own estimate beside OPPO's."""
+    from openrlhf_oppo.plan import describe, resolve
+
+    resolved = []
+    for run, system, results, result in _upstream_runs():
+        flags = result["flags"] + ["--oppo.enable", "--oppo.gpu_memory_gb", f"{memory_check.gpu_gib(results):.1f}"]
+        plan = resolve(memory_check._args(flags, results["settings"]["shape"]))
+        assert plan.memory is not None and "OpenRLHF alone" in describe(plan), (run, system)
+        assert plan.memory.fits or plan.memory.warning(), (run, system)
+        resolved.append((run, system))
+    assert len(resolved) >= 40, resolved

@@ -13,6 +13,7 @@ import contextlib
 import glob
 import io
 import os
+import re
 import statistics
 from dataclasses import dataclass
 from functools import lru_cache
@@ -31,6 +32,7 @@ TABLE_END = "<!-- end of validation -->"
 @dataclass(frozen=True)
 class Row:
     run: str
+    card: str
     system: str
     gpu: int
     label: str
@@ -78,8 +80,12 @@ def _args(flags: list, shape: str = "tiny"):
     return _parsed(tuple(flags), shape)
 
 
+def card(results: dict) -> str:
+    return results["machine"]["gpus"][0]
+
+
 def gpu_gib(results: dict) -> float:
-    return GPU_MIB[results["machine"]["gpus"][0]] / 1024
+    return GPU_MIB[card(results)] / 1024
 
 
 def run_estimate(results: dict, result: dict) -> memory.Estimate:
@@ -119,8 +125,90 @@ def rows(results_dir: str) -> list:
                 continue
             estimate = run_estimate(results, result)
             for gpu, (peak, value) in enumerate(zip(estimate.per_gpu, measured)):
-                out.append(Row(run, system, gpu, peak.label, peak.phase, value, peak.peak_gib))
+                out.append(Row(run, card(results), system, gpu, peak.label, peak.phase, value, peak.peak_gib))
     return out
+
+
+# The phases the model actors record (``oppo/memory/<role>_<phase>_peak_gb``), by the estimate's names.
+PHASES = {"generation": "generation", "make_experience": "make_experience", "training": "training"}
+PHASES["weight_sync"] = "weight sync"
+ROLE_PEAK = re.compile(r"^oppo/memory/(policy|critic|reward|reference)_(\w+?)_peak(_allocated)?_gb$")
+
+
+@dataclass(frozen=True)
+class RoleRow:
+    """One role's process in one phase: the most its allocator reserved (and its tensors held) against the
+    estimate's parts of that role in that phase, without the CUDA context (which no allocator counts)."""
+
+    run: str
+    card: str
+    system: str
+    role: str
+    phase: str
+    reserved_gib: float
+    allocated_gib: float
+    estimated_gib: float
+
+    @property
+    def error(self) -> float:
+        return self.estimated_gib / self.reserved_gib - 1
+
+
+def measured_role_peaks(result: dict) -> dict:
+    """(role, phase) -> [reserved, allocated] GiB: the largest of the steps' readings (each is the most since the
+    start)."""
+    peaks = {}
+    for step in result.get("steps") or []:
+        for key, value in step.items():
+            match = ROLE_PEAK.match(key)
+            if match and match.group(2) in PHASES:
+                entry = peaks.setdefault((match.group(1), match.group(2)), [0.0, 0.0])
+                index = 1 if match.group(3) else 0
+                entry[index] = max(entry[index], value)
+    return peaks
+
+
+def role_rows(results_dir: str) -> list:
+    """One row per role and phase of every system that recorded its actors' peaks."""
+    out = []
+    for run, results in speed_runs(results_dir):
+        for system, result in results["systems"].items():
+            peaks = measured_role_peaks(result)
+            if not peaks:
+                continue
+            estimate = run_estimate(results, result)
+            for (role, phase), (reserved, allocated) in sorted(peaks.items()):
+                if reserved <= 0:
+                    continue
+                estimated = max(gpu.role_gib(role, PHASES[phase]) for gpu in estimate.per_gpu)
+                out.append(RoleRow(run, card(results), system, role, phase, reserved, allocated, estimated))
+    return out
+
+
+def role_table(all_rows: list) -> str:
+    """Each role's process by phase: measured against estimated, and the summary line."""
+    if not all_rows:
+        return "No stored run recorded its actors' peaks by phase.\n"
+    lines = []
+    for name in sorted({row.card for row in all_rows}):
+        errors = sorted(abs(row.error) for row in all_rows if row.card == name)
+        within = sum(error <= TOLERANCE for error in errors)
+        lines.append(
+            f"- {name}: {len(errors)} role-phases, median error {100 * statistics.median(errors):.1f}%, largest "
+            f"{100 * errors[-1]:.1f}%; {within} ({100 * within / len(errors):.0f}%) within {100 * TOLERANCE:.0f}%."
+        )
+    lines += [
+        "",
+        "| run | system | role | phase | reserved GiB | allocated GiB | estimated GiB | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in all_rows:
+        mark = " **" if abs(r.error) > TOLERANCE else ""
+        lines.append(
+            f"| {r.run} | {r.system} | {r.role} | {r.phase} | {r.reserved_gib:.1f} | {r.allocated_gib:.1f} "
+            f"| {r.estimated_gib:.1f} | {100 * r.error:+.1f}%{mark} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def ran_out_of_memory(result: dict) -> bool:
@@ -158,14 +246,22 @@ def summary(all_rows: list) -> dict:
     )
 
 
+def _summary_line(some_rows: list, what: str) -> str:
+    s = summary(some_rows)
+    return (
+        f"- {what}: {s['gpus']} GPUs in {len({(r.run, r.system) for r in some_rows})} systems: median error "
+        f"{100 * s['median']:.1f}%, largest {100 * s['max']:.1f}%; {s['within']} GPUs "
+        f"({100 * s['within'] / s['gpus']:.0f}%) within {100 * TOLERANCE:.0f}%."
+    )
+
+
 def table(all_rows: list) -> str:
     """The summary line, then one row per system: each GPU's measured and estimated peak, and the estimate's
     largest error (marked past the tolerance)."""
-    s = summary(all_rows)
-    lines = [
-        f"{s['gpus']} GPUs in {len({(r.run, r.system) for r in all_rows})} systems: median error "
-        f"{100 * s['median']:.1f}%, largest {100 * s['max']:.1f}%; {s['within']} GPUs "
-        f"({100 * s['within'] / s['gpus']:.0f}%) within {100 * TOLERANCE:.0f}%.",
+    lines = [_summary_line(all_rows, "All cards")]
+    for name in sorted({row.card for row in all_rows}):
+        lines.append(_summary_line([row for row in all_rows if row.card == name], name))
+    lines += [
         "",
         "| run | system | measured GiB | estimated GiB | estimate's phase | largest error |",
         "|---|---|---|---|---|---|",
@@ -184,6 +280,14 @@ def table(all_rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def validation(results_dir: str) -> str:
+    """docs/memory.md's validation block: each GPU against NVML, each role's process by phase against its
+    allocator, and the runs that ran out of memory."""
+    return "\n".join(
+        [table(rows(results_dir)), role_table(role_rows(results_dir)), refusal_table(refusals(results_dir))]
+    )
+
+
 def replace_table(markdown: str, table_md: str) -> str:
     start, end = markdown.index(TABLE_START) + len(TABLE_START), markdown.index(TABLE_END)
     return markdown[:start] + "\n\n" + table_md + "\n" + markdown[end:]
@@ -194,7 +298,7 @@ def main(argv: Optional[list] = None) -> None:
     parser.add_argument("results_dir")
     parser.add_argument("--into", help="replace the validation block of this markdown file")
     options = parser.parse_args(argv)
-    table_md = table(rows(options.results_dir)) + "\n" + refusal_table(refusals(options.results_dir))
+    table_md = validation(options.results_dir)
     if options.into:
         with open(options.into) as f:
             markdown = f.read()
