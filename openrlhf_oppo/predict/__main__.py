@@ -2,7 +2,7 @@
 
     python -m openrlhf_oppo.predict RUN_FOLDER                     # a benchmark run folder (results.json)
     python -m openrlhf_oppo.predict TB_DIR -- <its train_ppo_ray flags>   # an OpenRLHF run's tensorboard logs
-    python -m openrlhf_oppo.predict --shape qwen2.5-7b --gpus 8 --batch 112 --mean 400 --high 1024
+    python -m openrlhf_oppo.predict --shape qwen2.5-7b --gpus 8 --gpu h100 --batch 112 --mean 400 --high 1024
     python -m openrlhf_oppo.predict --calibrate docs/results       # fit openrlhf_oppo/predict/calibration.json
     python -m openrlhf_oppo.predict --validate docs/results        # write docs/prediction.md
 
@@ -11,6 +11,9 @@ responses' lengths) and its placement (its flags), a small simulation of request
 upstream's async trainer with partial rollout and of OPPO with the plan its options resolve to (``--oppo_extra``
 adds ``--oppo.*`` flags to it), with each system's bound (the busiest set of GPUs' time) and what sets it. Without
 logs, ``--shape`` with a GPU count and a length distribution predicts the benchmark's systems from the calibration.
+The costs are the card's (``--gpu``, or the card a run folder recorded): its own calibrated runs where it has them,
+else another card's scaled by their data sheets; the header says which, and what a shape without runs of its own
+takes from the others.
 """
 
 import argparse
@@ -25,6 +28,8 @@ from openrlhf_oppo.predict import runs as runs_
 from openrlhf_oppo.predict import validate
 
 FITTED = "\nThe sync run's own logs set the costs: its row shows the fit; the others are predictions.\n"
+# The card of a prediction without a run folder that records one, and without --gpu.
+DEFAULT_CARD = "h200"
 
 
 def table(predictions: dict, measured: dict = None, baseline: str = None) -> str:
@@ -51,6 +56,14 @@ def table(predictions: dict, measured: dict = None, baseline: str = None) -> str
     return "\n".join(lines) + "\n"
 
 
+def _on_card(calibration: dict, card: str, shape: str) -> tuple:
+    """The card's calibration and the lines that say where its costs come from."""
+    calibration = costs_.for_card(calibration, card)
+    notes = [f"Costs of {costs_.CARDS[card]['name']} GPUs"] + calibration["notes"]
+    extrapolated = costs_.extrapolation(calibration, shape) if shape else None
+    return calibration, "; ".join(notes + ([extrapolated] if extrapolated else [])) + ".\n\n"
+
+
 def from_harness_folder(args, calibration: dict) -> str:
     runs = runs_.harness_runs(args.run)
     base = runs.get(args.system) or next((r for n, r in runs.items() if n.startswith("upstream-sync")), None)
@@ -58,6 +71,7 @@ def from_harness_folder(args, calibration: dict) -> str:
         sys.exit(f"{args.run}: no upstream sync system with measured steps (name one with --system)")
     if base.lengths is None:
         sys.exit(f"{args.run}: the run's prompt order was not seeded, so its steps' lengths are not known")
+    calibration, notes = _on_card(calibration, args.gpu or base.card or DEFAULT_CARD, base.shape)
     flags = {
         "upstream sync": base.flags,
         "upstream async (derived)": model.async_flags(base.flags),
@@ -69,11 +83,12 @@ def from_harness_folder(args, calibration: dict) -> str:
             flags[name], measured[name] = run.flags, _measured(run)
     predictions = model.from_sync_run(base, calibration, flags)
     head = f"Predicted from {args.run} ({base.name}: {base.measured} measured steps after {base.warmup})\n\n"
-    return head + table(predictions, measured, "upstream sync") + FITTED
+    return head + notes + table(predictions, measured, "upstream sync") + FITTED
 
 
 def from_tensorboard(args, calibration: dict, flags: list) -> str:
     run = runs_.tensorboard_run(args.run, flags, sigma=args.sigma, warmup=args.warmup, shape=args.shape)
+    calibration, notes = _on_card(calibration, args.gpu or DEFAULT_CARD, run.shape)
     systems = {
         "upstream sync": flags,
         "upstream async": model.async_flags(flags),
@@ -84,7 +99,7 @@ def from_tensorboard(args, calibration: dict, flags: list) -> str:
         f"Predicted from {args.run} ({run.measured} steps after {run.warmup}; each step's lengths lognormal with"
         f" sigma {args.sigma:g} around its logged mean)\n\n"
     )
-    return head + table(predictions, {"upstream sync": _measured(run)}, "upstream sync") + FITTED
+    return head + notes + table(predictions, {"upstream sync": _measured(run)}, "upstream sync") + FITTED
 
 
 def from_shape(args, calibration: dict) -> str:
@@ -107,6 +122,7 @@ def from_shape(args, calibration: dict) -> str:
     ) + bench_systems.system_flags("upstream-sync", args.placement, 1)
     parsed = runs_.parse_flags(sync_flags)
     setup = runs_.setup_of(parsed, args.prompt_tokens)
+    calibration, notes = _on_card(calibration, args.gpu or DEFAULT_CARD, args.shape)
     costs = costs_.from_calibration(calibration, args.shape, setup)
     count = args.batch * args.n_samples * (args.warmup + args.steps + 4)
     lengths = tiny.response_lengths(count, args.lengths, seed=args.seed, **workload.length_params(args))
@@ -120,7 +136,7 @@ def from_shape(args, calibration: dict) -> str:
         f"Predicted from the calibration: {args.shape}, {args.gpus} GPUs {args.placement}, {args.batch} prompts x"
         f" {args.n_samples}, {args.lengths} lengths (mean {sum(lengths) / len(lengths):.0f}, at most {args.high})\n\n"
     )
-    return head + table(predictions, baseline="upstream sync")
+    return head + notes + table(predictions, baseline="upstream sync")
 
 
 def _measured(run) -> float:
@@ -137,6 +153,11 @@ def main(argv=None):
     parser.add_argument("--system", default="", help="run folder: the sync system whose logs to use")
     parser.add_argument("--oppo_extra", action="append", default=[], help="an --oppo.* flag for OPPO (repeat it)")
     parser.add_argument("--shape", help="the model's shape (tensorboard logs whose model path names none; --gpus)")
+    parser.add_argument(
+        "--gpu",
+        choices=sorted(costs_.CARDS),
+        help=f"the card (default: the one a run folder recorded, else {DEFAULT_CARD})",
+    )
     parser.add_argument("--gpus", type=int, help="predict from the calibration for this many GPUs")
     parser.add_argument("--placement", default="split", choices=["split", "colocated"])
     parser.add_argument("--batch", type=int, default=32, help="prompts a step")
@@ -155,7 +176,8 @@ def main(argv=None):
     if args.calibrate:
         calibration = costs_.calibrate(args.calibrate)
         costs_.save(calibration, args.calibration)
-        print(f"wrote {args.calibration} from {len(calibration['sync_runs'])} upstream sync runs")
+        counts = ", ".join(f"{len(c['sync_runs'])} on {card}" for card, c in calibration["cards"].items())
+        print(f"wrote {args.calibration} from the upstream sync runs ({counts})")
         return
     calibration = costs_.load(args.calibration)
     if args.validate:

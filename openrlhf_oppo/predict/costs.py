@@ -21,6 +21,7 @@ A run's own steps then set its intercepts and ``forward_s``.
 
 import glob
 import json
+import math
 import os
 import statistics
 from dataclasses import replace
@@ -33,9 +34,19 @@ from openrlhf_oppo.predict.simulate import Cluster, Costs, Group, Request, Setup
 
 CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 CALIBRATE_COMMAND = "python -m openrlhf_oppo.predict --calibrate docs/results"
-# Slopes where a shape has too few runs of its own: scaled from the nearest calibrated shape by its
-# parameters (decoding reads every weight once an iteration; forward and training compute per weight).
+# Slopes where a shape has too few runs of its own: scaled from the calibrated shape nearest in parameters (by
+# their ratio) by its parameters, the work of a token (decoding reads every weight once an iteration; forward and
+# training compute per weight); the simulation multiplies them by the workload's tokens.
 SCALED_FROM_PARAMETERS = ("decode_s", "decode_per_request_s", "forward_s", "forward_slope_s", "train_per_token_s")
+# The cards the calibration knows, by their data sheets (SXM): memory bandwidth sets decoding, which reads every
+# weight once an iteration; dense bf16 compute sets forward passes and training. A card without runs of its own
+# takes the calibrated card's costs scaled by these.
+CARDS = {
+    "h100": dict(name="H100", memory_tbs=3.35, bf16_tflops=989.0),
+    "h200": dict(name="H200", memory_tbs=4.8, bf16_tflops=989.0),
+}
+MEMORY_BOUND = ("decode_s", "decode_per_request_s")
+COMPUTE_BOUND = ("forward_s", "forward_slope_s", "train_per_token_s")
 
 
 def parameters(shape: str) -> float:
@@ -172,7 +183,7 @@ def from_calibration(calibration: dict, shape: str, setup: Setup) -> Costs:
     slopes = shape_slopes(calibration, shape)
     placement = "colocated" if setup.colocated else "split"
     defaults = calibration["intercepts"].get(placement) or next(iter(calibration["intercepts"].values()))
-    nearest = min(defaults["by_shape"], key=lambda s: abs(parameters(s) - parameters(shape)))
+    nearest = _nearest(defaults["by_shape"], shape)
     scale = parameters(shape) / parameters(nearest)
     per_rank = -(-setup.batch * setup.n_samples // setup.model_gpus)
     train_batches = len(setup.trained) * -(-per_rank // setup.train_micro_batch)
@@ -198,12 +209,77 @@ def shape_slopes(calibration: dict, shape: str) -> dict:
     if shape in shapes and shapes[shape].get("runs", 0) >= calibration.get("min_runs", 2):
         return shapes[shape]
     known = [s for s in shapes if shapes[s].get("runs", 0) >= calibration.get("min_runs", 2)]
-    nearest = min(known, key=lambda s: abs(parameters(s) - parameters(shape)))
+    nearest = _nearest(known, shape)
     ratio = parameters(shape) / parameters(nearest)
     scaled = {k: shapes[nearest][k] * ratio for k in SCALED_FROM_PARAMETERS}
     if shape in shapes:  # decoding was measured for the shape itself
         scaled.update({k: shapes[shape][k] for k in ("decode_s", "decode_per_request_s")})
-    return dict(scaled, scaled_from=nearest)
+    return dict(scaled, scaled_from=nearest, ratio=ratio)
+
+
+def _nearest(shapes, shape: str) -> str:
+    """The shape nearest ``shape`` by the ratio of their parameters (0.5B is nearer 1.5B than a 22M model)."""
+    return min(shapes, key=lambda s: abs(math.log(parameters(s) / parameters(shape))))
+
+
+def extrapolation(calibration: dict, shape: str) -> Optional[str]:
+    """What a prediction of ``shape`` takes from other shapes, in a sentence; None where it has runs enough."""
+    slopes = shape_slopes(calibration, shape)
+    if "scaled_from" not in slopes:
+        return None
+    own = calibration["shapes"].get(shape, {}).get("runs", 0)
+    decode = ", its decoding from its own run" if own else ""
+    return (
+        f"extrapolated: {shape} has {own} calibrated run{'s' * (own != 1)} on this card; its per-token costs are "
+        f"{slopes['scaled_from']}'s scaled by parameters ({slopes['ratio']:.2f}x){decode}"
+    )
+
+
+# -- cards -----------------------------------------------------------------------------------------------------
+
+
+def for_card(calibration: dict, card: str) -> dict:
+    """The calibration of ``card``: its own runs' shapes and placements, and for what it has no runs of, the card
+    with the most runs scaled by the two cards' data sheets (``CARDS``). ``notes`` says which is which."""
+    cards = calibration["cards"]
+    source = max(cards, key=lambda c: len(cards[c]["sync_runs"]))
+    base = cards[source] if source == card else _scaled(cards[source], source, card)
+    own = cards.get(card, dict(shapes={}, intercepts={}, sync_runs=[]))
+    shapes = dict(base["shapes"], **own["shapes"])
+    intercepts = {}
+    for placement in set(base["intercepts"]) | set(own["intercepts"]):
+        mine, theirs = own["intercepts"].get(placement), base["intercepts"].get(placement)
+        merged = dict(mine or theirs)
+        merged["by_shape"] = dict((theirs or {}).get("by_shape", {}), **(mine or {}).get("by_shape", {}))
+        intercepts[placement] = merged
+    notes = []
+    if source != card:
+        a, b = CARDS[card], CARDS[source]
+        scaled = (
+            f"the {b['name']} calibration scaled by memory bandwidth for decoding ({a['memory_tbs']:g} vs "
+            f"{b['memory_tbs']:g} TB/s) and by bf16 compute for the rest ({a['bf16_tflops']:g} vs "
+            f"{b['bf16_tflops']:g} TFLOPS)"
+        )
+        mine = ", ".join(sorted(own["shapes"]))
+        notes.append(
+            f"{a['name']}: "
+            + (f"{mine} from its own runs, the rest from {scaled}" if mine else f"no runs of its own, {scaled}")
+        )
+    return dict(calibration, card=card, shapes=shapes, intercepts=intercepts, sync_runs=own["sync_runs"], notes=notes)
+
+
+def _scaled(calibration: dict, source: str, target: str) -> dict:
+    """``source``'s calibration as ``target``'s: decoding by memory bandwidth, forward passes and training by
+    compute; the fixed costs (calls, dispatch, the weight sync over NVLink) as they are."""
+    memory = CARDS[source]["memory_tbs"] / CARDS[target]["memory_tbs"]
+    compute = CARDS[source]["bf16_tflops"] / CARDS[target]["bf16_tflops"]
+    shapes = {}
+    for shape, figures in calibration["shapes"].items():
+        figures = dict(figures)
+        figures.update({k: figures[k] * memory for k in MEMORY_BOUND})
+        figures.update({k: figures[k] * compute for k in COMPUTE_BOUND})
+        shapes[shape] = figures
+    return dict(calibration, shapes=shapes)
 
 
 # -- the calibration over every sync run ------------------------------------------------------------------
@@ -257,9 +333,18 @@ def _pooled_two(samples: Dict[str, list]) -> tuple:
 
 
 def calibrate(results_dir: str) -> dict:
-    """Fit the slopes per shape and the intercepts' medians per placement from every upstream sync run."""
-    by_shape: Dict[str, list] = {}
+    """Per card, fit the slopes per shape and the intercepts' medians per placement from its upstream sync runs."""
+    by_card: Dict[str, list] = {}
     for folder, run, setup in sync_runs(results_dir):
+        if run.card in CARDS:
+            by_card.setdefault(run.card, []).append((folder, run, setup))
+    cards = {card: _calibrate_card(items) for card, items in sorted(by_card.items())}
+    return dict(command=CALIBRATE_COMMAND, min_runs=2, cards=cards)
+
+
+def _calibrate_card(runs: list) -> dict:
+    by_shape: Dict[str, list] = {}
+    for folder, run, setup in runs:
         by_shape.setdefault(run.shape, []).append((folder, run, setup))
     shapes, intercepts, used = {}, {}, []
     for shape, items in sorted(by_shape.items()):
@@ -326,7 +411,7 @@ def calibrate(results_dir: str) -> dict:
             decode_busy=statistics.median(r["decode_busy"] for r in patched if "decode_busy" in r),
             train_busy=statistics.median(r["train_busy"] for r in patched if "train_busy" in r),
         )
-    return dict(command=CALIBRATE_COMMAND, min_runs=2, shapes=shapes, intercepts=intercepts, sync_runs=used)
+    return dict(shapes=shapes, intercepts=intercepts, sync_runs=used)
 
 
 def load(path: str = CALIBRATION) -> dict:

@@ -31,6 +31,7 @@ class Run:
     prompt_tokens: Optional[int] = None
     gpu_samples: Optional[list] = None
     patched: bool = False  # OpenRLHF with patches/openrlhf applied (the harness's --upstream_patches)
+    card: Optional[str] = None  # the GPU it ran on (costs.CARDS), where the run recorded it
 
     @property
     def measured_steps(self) -> list:
@@ -196,8 +197,18 @@ def harness_runs(folder: str) -> dict:
             prompt_tokens=settings.get("prompt_tokens"),
             gpu_samples=result.get("gpu_samples"),
             patched=bool(results.get("upstream_patches")),
+            card=card_of((results.get("machine") or {}).get("gpus") or []),
         )
     return runs
+
+
+def card_of(gpu_names: list) -> Optional[str]:
+    """The card of a run's GPUs, as ``results.json`` records their names ("NVIDIA H100 80GB HBM3"): "h100",
+    "h200", or None for another card or none."""
+    for card in ("h100", "h200"):
+        if gpu_names and card in gpu_names[0].lower():
+            return card
+    return None
 
 
 def tensorboard_run(folder: str, flags: list, sigma: float = 1.0, warmup: int = 1, shape: Optional[str] = None) -> Run:

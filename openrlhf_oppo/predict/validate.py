@@ -69,10 +69,12 @@ def paired(results_dir: str, calibration: dict):
             continue
         systems = dict({n: r.flags for n, r in targets.items()}, **{base.name: base.flags})
         setup = runs_.setup_of(runs_.parse_flags(base.flags), base.prompt_tokens)
-        alone = costs_.from_calibration(calibration, base.shape, setup)
+        card = base.card or "h200"
+        on_card = costs_.for_card(calibration, card)
+        alone = costs_.from_calibration(on_card, base.shape, setup)
         ways = {
-            "logs": model.from_sync_run(base, calibration, systems),
-            "means": model.from_sync_run(runs_.with_lengths_from_means(base, SIGMA), calibration, systems),
+            "logs": model.from_sync_run(base, on_card, systems),
+            "means": model.from_sync_run(runs_.with_lengths_from_means(base, SIGMA), on_card, systems),
             "calibration": model.predict_systems(
                 alone, base.lengths, base.prompt_tokens, systems, base.warmup, base.measured
             ),
@@ -85,6 +87,7 @@ def paired(results_dir: str, calibration: dict):
             rows.append(
                 dict(
                     run=name,
+                    card=card,
                     system=system,
                     kind=ways["logs"][system].kind,
                     measured=_mean_step(run),
@@ -111,14 +114,15 @@ def _sign_right(row, way: str = "logs") -> bool:
 
 def pairs_table(rows: list) -> list:
     lines = [
-        "| run | system | measured step (s) | predicted (s) | error | vs sync measured / predicted | sign"
+        "| run | card | system | measured step (s) | predicted (s) | error | vs sync measured / predicted | sign"
         " | from mean lengths only (s) | error | from the calibration alone (s) | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         step, sync = r["predicted"]["logs"]
         cells = [
             f"[{r['run']}](results/{r['run']}/)",
+            costs_.CARDS[r["card"]]["name"],
             r["system"],
             f"{r['measured']:.2f}",
             f"{step:.2f}",
@@ -133,21 +137,23 @@ def pairs_table(rows: list) -> list:
 
 
 def summary_table(rows: list) -> list:
+    """The errors of each way and system, per card (each card's runs predicted with its own calibration)."""
     lines = [
-        "| systems | predicted | median abs. error | largest abs. error | within 10% | speed-up sign right |",
-        "|---|---|---|---|---|---|",
+        "| card | systems | predicted | median abs. error | largest abs. error | within 10% | speed-up sign right |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for way, what in WAYS.items():
-        for label, kind in (("OPPO", "oppo"), ("upstream async", "async")):
-            chosen = [r for r in rows if r["kind"] == kind]
-            if not chosen:
-                continue
-            errors = [abs(_error(r, way)) for r in chosen]
-            right = sum(_sign_right(r, way) for r in chosen)
-            lines.append(
-                f"| {label}{what} | {len(chosen)} | {statistics.median(errors):.1%} | {max(errors):.1%}"
-                f" | {sum(e <= 0.1 for e in errors)} | {right} of {len(chosen)} |"
-            )
+    for card in sorted({r["card"] for r in rows}):
+        for way, what in WAYS.items():
+            for label, kind in (("OPPO", "oppo"), ("upstream async", "async")):
+                chosen = [r for r in rows if r["kind"] == kind and r["card"] == card]
+                if not chosen:
+                    continue
+                errors = [abs(_error(r, way)) for r in chosen]
+                right = sum(_sign_right(r, way) for r in chosen)
+                lines.append(
+                    f"| {costs_.CARDS[card]['name']} | {label}{what} | {len(chosen)} | {statistics.median(errors):.1%}"
+                    f" | {max(errors):.1%} | {sum(e <= 0.1 for e in errors)} | {right} of {len(chosen)} |"
+                )
     return lines
 
 
@@ -230,7 +236,7 @@ def paper_table(calibration: dict) -> list:
         " | bound set by | wait for samples (s) | plan |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for label, gpus, setup, shape, high, mean, predictions in paper_rows(calibration):
+    for label, gpus, setup, shape, high, mean, predictions in paper_rows(costs_.for_card(calibration, "h200")):
         sync = predictions["upstream sync"]
         for system, p in predictions.items():
             head = f"| {label} | {gpus} ({setup.engines} + {setup.model_gpus}) | {setup.batch} | {system}"
@@ -251,11 +257,21 @@ def page(results_dir: str, calibration: dict) -> str:
     return page_of(*paired(results_dir, calibration), calibration)
 
 
+def _calibrated_shapes(calibration: dict) -> str:
+    """Each card's calibrated shapes and their runs, and where a card without runs of a shape takes it from."""
+    parts = []
+    for card, figures in sorted(calibration["cards"].items()):
+        shapes = ", ".join(f"{s} ({v['runs']} runs)" for s, v in sorted(figures["shapes"].items()))
+        parts.append(f"{costs_.CARDS[card]['name']}: {shapes}")
+    notes = [note for card in costs_.CARDS for note in costs_.for_card(calibration, card)["notes"]]
+    return "; ".join(parts) + "".join(f". {note}" for note in notes)
+
+
 def page_of(rows: list, left_out: list, calibration: dict) -> str:
     """docs/prediction.md from ``paired``'s rows and the runs it left out."""
     oppo = [r for r in rows if r["kind"] == "oppo"]
     asyncs = [r for r in rows if r["kind"] == "async"]
-    shapes = ", ".join(f"{s} ({v['runs']} runs)" for s, v in sorted(calibration["shapes"].items()))
+    shapes = _calibrated_shapes(calibration)
     parts = [
         "# Predicting the step before running it",
         "",
@@ -268,8 +284,8 @@ def page_of(rows: list, left_out: list, calibration: dict) -> str:
         "requests on the engines (an iteration costs a fixed time plus a time per running request), the scorers'",
         "prefill while they decode, make_experience, training and the weight sync, in each system's order",
         "(`openrlhf_oppo/predict/simulate.py`). Its costs are the sync run's own (the generation, make_experience,",
-        "training and weight sync times it logged), with per-token slopes calibrated on every upstream sync run in",
-        f"docs/results (`{calibration['command']}`; shapes: {shapes}).",
+        "training and weight sync times it logged), with per-token slopes calibrated, per card, on every upstream",
+        f"sync run in docs/results (`{calibration['command']}`; {shapes}).",
         "",
         "## Blind check against the measured runs",
         "",
@@ -278,7 +294,8 @@ def page_of(rows: list, left_out: list, calibration: dict) -> str:
         "measurements are not read. The step is the mean wall time of the measured steps, as in RESULTS.md. Two",
         "more ways each: from the sync run's logged mean lengths only, each step's lengths drawn lognormal (sigma",
         f"{SIGMA:g}) around its mean, as from a tensorboard folder; and from the calibration alone, with the run's",
-        "workload, as for a setup nobody ran (that calibration holds the sync runs' steps, this one's too).",
+        "workload, as for a setup nobody ran (that calibration holds the sync runs' steps, this one's too). Each",
+        "run is predicted with the calibration of the card it ran on, and the errors are given per card.",
         "",
         *summary_table(rows),
         "",
@@ -318,8 +335,8 @@ def page_of(rows: list, left_out: list, calibration: dict) -> str:
         + ", and prompts of "
         + ", ".join(f"{p}" for _, _, _, p in PAPER_SETTINGS)
         + " tokens;",
-        "- costs: H200 GPUs, as in every calibrated run. A shape with fewer than two calibrated runs takes its",
-        "  per-token costs from the nearest calibrated shape scaled by its parameters (the 7B shape's one run",
+        "- costs: H200 GPUs. A shape with fewer than two calibrated runs takes its per-token costs from the",
+        "  calibrated shape nearest in parameters scaled by its parameters (the 7B shape's one run",
         "  trained under ZeRO-3 with offload, the scripts' ZeRO-2 does not), its decoding from its own run where it",
         "  has one; the fixed costs per call and per training micro-batch are the medians of the shape's split runs",
         "  (or the nearest shape's, scaled), the weight sync per parameter, the dispatch and the GPU busy shares",
