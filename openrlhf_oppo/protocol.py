@@ -105,7 +105,8 @@ class ScorerStats:
 
     ``calls``: ``(wall-clock start, seconds, new tokens)`` per prefill call. ``waiting``: finished sequences not
     collected yet; ``tombstones``: discarded sequences whose last chunk has not landed. Both stay small unless
-    something leaks.
+    something leaks. ``streaming_off``: a prefill ran out of GPU memory, and this scorer streams no more for the rest
+    of the run; the experience maker scores its sequences with upstream's forward.
     """
 
     calls: List[Tuple[float, float, int]]
@@ -117,6 +118,7 @@ class ScorerStats:
     cached_bytes: int
     waiting: int
     tombstones: int
+    streaming_off: bool = False
 
 
 @dataclass

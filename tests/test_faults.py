@@ -3,7 +3,8 @@ call that found it, leaves no process of the run behind, and no checkpoint that 
 incomplete.
 
 OPPOTrainer runs on CPU (a real vLLM engine, real scoring models, upstream's PPOTrainer.fit) and kills one of
-its actors as a phase of the step begins."""
+its actors as a phase of the step begins. A scoring actor whose prefill runs out of memory does not end the run:
+its streaming is turned off, and its forward scores its micro-batches after generation."""
 
 import os
 import re
@@ -17,7 +18,9 @@ import ray
 import torch
 
 from openrlhf_oppo import tiny
+from openrlhf_oppo.bench.report import read_steps
 from openrlhf_oppo.cli.train_ppo_ray import failure_line
+from openrlhf_oppo.protocol import FROZEN_ROLES
 from openrlhf_oppo.testing import cpu_pipeline
 
 pytestmark = pytest.mark.engine
@@ -162,6 +165,44 @@ def test_an_actor_dying_ends_the_run_with_one_line(phase, checkpoints, engine, t
     if os.path.exists(os.path.join(folder, "latest")):
         tag = open(os.path.join(folder, "latest")).read()
         assert "overcommit_sampler" in torch.load(os.path.join(folder, f"{tag}.pt"), weights_only=False)
+
+
+# The critic's prefill forward that runs out of memory: one of the run's second step (the run's four steps take about
+# four forwards each, as the chunks batch).
+OUT_OF_MEMORY_AT_FORWARD = 8
+
+
+def test_a_scorer_out_of_memory_turns_its_streaming_off_and_the_run_goes_on(checkpoints, engine, tmp_path):
+    """The critic's prefill runs out of GPU memory mid-run: the run trains every step, the critic streams no more and
+    says so in its stats, and from that step on its micro-batch is scored by its forward after generation
+    (``oppo/fallback_micro_batches``) while the other models keep streaming."""
+    from openrlhf_oppo.trainer import OPPOTrainerRayActor
+
+    tensorboard = ["--logger.tensorboard_dir", str(tmp_path / "tb"), "--logger.wandb.run_name", "run"]
+    args = fault_run_args(str(tmp_path), checkpoints["actor"], checkpoints["reward"], *tensorboard)
+    pipeline = cpu_pipeline.CPUPipeline(args, checkpoints["actor"], checkpoints["reward"], [engine])
+    try:
+        (critic,) = pipeline.coordinator.models["critic"]
+        ray.get(critic.run_out_of_memory_at_prefill.remote(OUT_OF_MEMORY_AT_FORWARD))
+        pipeline.run_ppo(OPPOTrainerRayActor)
+        # The model ranks that stream (the plan has the engine score the policy's log-probs).
+        stats = {role: ray.get(pipeline.coordinator.models[role][0].oppo_stats.remote()) for role in FROZEN_ROLES}
+        stats["critic"] = ray.get(critic.oppo_stats.remote())
+    finally:
+        pipeline.coordinator.resume(0, resume=False)  # the shared engine starts the next test at version 0
+        pipeline.kill()
+    steps = read_steps(str(tmp_path / "tb" / "run"))
+    assert len(steps) == 4 and sum(s["rollout/num_samples"] for s in steps) == 8 * 2  # 2 prompts a step
+    assert {role: rank.streaming_off for role, rank in stats.items()} == dict(
+        critic=True, reward=False, reference=False
+    )
+    off = next(i for i, step in enumerate(steps) if step["oppo/fallback_micro_batches"])
+    assert 0 < off < len(steps) - 1, "the critic ran out of memory in the first or the last step"
+    for i, step in enumerate(steps):
+        assert step["oppo/fallback_micro_batches"] == float(i >= off)  # each step's one micro-batch, the critic's
+        assert step["oppo/busy_s/reward"] > 0 and step["oppo/busy_s/policy"] > 0
+        if i > off:
+            assert step["oppo/busy_s/critic"] == 0  # no prefill call ran
 
 
 def test_stopping_the_ray_head_mid_step_ends_the_run(tmp_path):

@@ -8,6 +8,7 @@ import torch
 from openrlhf_oppo.protocol import Chunk, ScorerSettings
 from openrlhf_oppo.streaming.actors import StreamingScorerMixin
 from openrlhf_oppo.streaming.scorer import ChunkScorer
+from openrlhf_oppo.testing.cpu_pipeline import run_out_of_memory_at_prefill
 
 TOLERANCE = 1e-5
 TEMPERATURE = 0.7
@@ -172,17 +173,19 @@ class _ScoringActor(StreamingScorerMixin):
     """The scorer side of a streaming actor, without Ray or DeepSpeed."""
 
     def __init__(self, model):
+        super().__init__()
         self.model = model
 
     def oppo_model(self):
         return self.model
 
 
+SETTINGS = ScorerSettings(1 << 30, 1.0, max_tokens_per_forward=4096, max_cached_tokens_per_forward=4096)
+
+
 def test_discarded_sequences_are_not_kept(models):
     actor = _ScoringActor(models["reward"])
-    actor.oppo_setup(
-        "reward", ScorerSettings(1 << 30, 1.0, max_tokens_per_forward=4096, max_cached_tokens_per_forward=4096)
-    )
+    actor.oppo_setup("reward", SETTINGS)
     actor.oppo_prefill([Chunk(uid, 0, [5, 6, 7, 8], 2) for uid in ("early", "late", "kept")])
 
     actor.oppo_discard(["early"])  # overtakes its last chunk, still on the way
@@ -203,3 +206,37 @@ def test_discarded_sequences_are_not_kept(models):
     assert collected["kept"].output is not None and collected["kept"].version == 1
     assert collected["early"] is None and collected["late"] is None
     assert actor.oppo_stats().waiting == 0
+
+
+def test_a_prefill_out_of_memory_turns_streaming_off(models, capsys):
+    """A prefill that runs out of GPU memory does not end the run: the scorer drops what it held, prefills no later
+    chunk and, after a weight update, rescores nothing, and answers None for every sequence (the experience maker
+    scores those with upstream's forward, which runs as before)."""
+    critic = models["critic"]
+    (prompt_len, tokens), *_ = make_batch(seed=13, count=1)[0]
+    hook = run_out_of_memory_at_prefill(critic, forward=2)
+    try:
+        actor = _ScoringActor(critic)
+        actor.oppo_setup("critic", SETTINGS)
+        actor.oppo_prefill([Chunk("done", 0, tokens, prompt_len, True), Chunk("on", 0, tokens[:-1], prompt_len)])
+        actor.oppo_discard(["gone"])  # its last chunk is still on the way
+        stats = actor.oppo_stats()
+        assert (stats.forwards, stats.waiting, stats.tombstones, stats.streaming_off) == (1, 1, 1, False)
+        assert stats.cached_bytes > 0
+
+        assert actor.oppo_prefill([Chunk("on", len(tokens) - 1, tokens[-1:], prompt_len, True)]) == 1
+        assert "streaming off for critic rank 0 for the rest of the run" in capsys.readouterr().out
+        stats = actor.oppo_stats()
+        assert (stats.waiting, stats.tombstones, stats.cached_bytes, stats.streaming_off) == (0, 0, 0, True)
+
+        actor.oppo_prefill([Chunk("later", 0, tokens, prompt_len, True)])
+        actor.oppo_scorer.bump_version()  # a fit: nothing is rescored
+        assert actor.oppo_collect(["done", "on", "later"]) == dict(done=None, on=None, later=None)
+        actor.oppo_discard(["gone", "later"])
+        stats = actor.oppo_stats()
+        assert (stats.forwards, stats.final_tokens, stats.waiting, stats.tombstones) == (1, len(tokens), 0, 0)
+
+        _, input_ids, attention_mask, action_mask = make_batch(seed=13, count=1)
+        assert critic(input_ids, action_mask, attention_mask).shape == action_mask.shape  # upstream's forward runs
+    finally:
+        hook.remove()

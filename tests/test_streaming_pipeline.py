@@ -67,6 +67,32 @@ def test_streamed_experiences_equal_upstreams(pipeline, connected, workload, chu
         assert metrics["oppo/prefill_hidden_fraction"] > 0.3
 
 
+def test_a_scorer_out_of_memory_leaves_its_scores_to_upstreams_forward(ppo_args, checkpoints, engine, workload):
+    """The policy's prefill runs out of memory while the engine decodes: it streams no more, and its forward scores
+    every micro-batch after generation, this batch's and the next one's. The experiences are upstream's. (Scoring
+    actors of its own: this one's streaming stays off.)"""
+    from openrlhf_oppo.testing.cpu_pipeline import CPUPipeline
+
+    pipeline = CPUPipeline(ppo_args, checkpoints["actor"], checkpoints["reward"], [engine])
+    pipeline.connect(4)
+    try:
+        (policy,) = pipeline.coordinator.models["policy"]
+        ray.get(policy.run_out_of_memory_at_prefill.remote(2))
+        for seed in (83, 89):
+            samples = generate(pipeline, workload(LENGTHS[:4], seed=seed))
+            streamed, upstream, metrics = experiences_both_ways(pipeline, samples)
+            assert_same_experiences(streamed, upstream)
+            assert metrics["oppo/fallback_micro_batches"] == len(streamed)  # the policy's, every one
+            stats = scorer_stats(pipeline)  # the prefill calls of this batch
+            assert {role: rank.streaming_off for role, rank in stats.items()} == dict(
+                policy=True, critic=False, reward=False, reference=False
+            )
+        assert stats["policy"].calls == [] and stats["critic"].calls  # the second batch's
+    finally:
+        pipeline.disconnect()
+        pipeline.kill()
+
+
 @pytest.mark.parametrize("reward_streamed", [True, False])
 def test_the_reward_empties_its_cache_only_after_a_forward(
     pipeline, connected, workload, monkeypatch, reward_streamed

@@ -8,11 +8,13 @@ that all-gathered parameters would leave the other rank waiting. The scores must
 forward over the full sequences (float32, 1e-5), before and after a training step of the policy and the
 critic taken halfway through the streams. The policy and the critic stream on a gathered copy of their
 weights; the reward and reference actors are OPPO's own, loaded by their ``init_model_from_pretrained``
-from a ``--ds.zero_stage 3`` command line, and must hold their weights unsharded.
+from a ``--ds.zero_stage 3`` command line, and must hold their weights unsharded. A policy rank that runs out
+of memory in a prefill frees its copy and streams no more, and the next step's gathers still line up.
 """
 
 import os
 import socket
+import weakref
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -23,7 +25,7 @@ from test_scorer import TEMPERATURE, TOLERANCE, make_batch
 from openrlhf_oppo.protocol import Chunk
 from openrlhf_oppo.streaming import actors
 from openrlhf_oppo.streaming.zero3 import is_partitioned
-from openrlhf_oppo.testing.cpu_pipeline import scorer_settings
+from openrlhf_oppo.testing.cpu_pipeline import run_out_of_memory_at_prefill, scorer_settings
 
 pytestmark = pytest.mark.process  # the ranks are processes of their own
 
@@ -89,6 +91,23 @@ def _rank(rank, port, checkpoints):
     for role in ("policy", "critic"):
         moved = max((after[role][i] - before[role][i]).abs().max() for i in range(len(sequences)))
         assert moved > 100 * TOLERANCE, f"the {role}'s step did not change its scores"
+
+    # Rank 1's policy runs out of memory halfway through new streams: it streams no more and frees its copy, but
+    # still takes part in the gathers of the next step, after which rank 0's policy streams the new weights' scores.
+    policy, out_of_memory = scorers["policy"], rank == 1
+    copy = weakref.ref(policy.oppo_copy.module)
+    if out_of_memory:
+        run_out_of_memory_at_prefill(policy.oppo_copy.module, forward=1)
+    _stream(policy, "c", sequences, chunk_size, stop=halves)
+    assert policy.oppo_stats().streaming_off == (copy() is None) == out_of_memory  # nothing keeps the copy
+    policy.fit(input_ids, attention_mask, action_mask)
+    scores = _stream(policy, "c", sequences, chunk_size, start=halves)
+    with torch.no_grad():
+        expected_later = models["policy"].eval()(input_ids, action_mask, attention_mask)
+    if not out_of_memory:
+        _assert_equal({"policy": scores}, sequences, {"policy": expected_later})
+    else:
+        assert scores == [None] * len(sequences)  # left to upstream's forward
 
 
 def _load_in_float32():
@@ -207,7 +226,7 @@ def _frozen_actor(role, checkpoints, args):
     strategy.setup_distributed = lambda: None  # upstream's builds a CUDA device mesh; gloo is up already
     cls = actors.StreamingRewardModelActor if role == "reward" else actors.StreamingReferenceModelActor
     actor = cls.__new__(cls)  # BaseDistributedActor.__init__ only sets a GPU rank's environment
-    actor.oppo_plan = plan  # what the constructor receives
+    actor.oppo_plan, actor.oppo_peaks = plan, actors.PhasePeaks()  # what the constructor sets
     actor.init_model_from_pretrained(strategy, checkpoints["reward" if role == "reward" else "actor"])
     assert strategy.stage == 0
     if role == "reward":
@@ -246,7 +265,7 @@ def _stream(actor, name, sequences, chunk_size, start=None, stop=None):
     if any(end < len(tokens) for end, (_, tokens) in zip(stop, sequences)):
         return None
     collected = actor.oppo_collect([f"{name}{i}" for i in range(len(sequences))])
-    return [collected[f"{name}{i}"].output for i in range(len(sequences))]
+    return [getattr(collected[f"{name}{i}"], "output", None) for i in range(len(sequences))]
 
 
 @torch.no_grad()

@@ -11,6 +11,12 @@ each ``fit`` (``zero3.py``); the frozen reward and reference models load their w
 Finished scores wait in ``oppo_finished`` until the trainer collects them, or discards those that training
 will never ask for (``oppo_discard``).
 
+A scorer whose prefill runs out of GPU memory stops streaming for the rest of the run (``_stream_off``). Its
+KV caches and prefill activations are memory that OPPO adds to upstream's; a run upstream would finish should not
+end there, and upstream's forward after generation already scores every sequence without a streamed score. The
+memory would run out again on the same workload, so the scorer does not retry: it frees everything it held,
+ignores later chunks, answers None for every sequence it is asked for, and says so in ``oppo_stats``.
+
 The trainer's reads of counters, memory and traces (``oppo_stats``, ``oppo_resources``, ``oppo_drain_trace``)
 run in a concurrency group of their own, on a thread of their own. In the actor's one thread they would wait
 behind every prefill call queued before them, and the end of each step waits for them. They only read, and what they read is safe to
@@ -20,6 +26,7 @@ The run's plan (``plan.Plan``) reaches each actor as a constructor argument.
 """
 
 import contextlib
+import gc
 import os
 import time
 
@@ -48,6 +55,11 @@ def cpu_adam_threads(args) -> int:
     if args.critic.model_name_or_path:
         ranks += args.critic.num_gpus_per_node
     return max(1, len(os.sched_getaffinity(0)) // ranks)
+
+
+def _rank() -> int:
+    """This actor's rank in its model's group."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 class PhasePeaks:
@@ -82,6 +94,7 @@ class StreamingScorerMixin:
     oppo_scorer: ChunkScorer = None
     oppo_copy: InferenceCopy = None  # the weights the scorer runs on, under ZeRO-3
     oppo_plan: Plan = OFF
+    oppo_streaming_off = False  # a prefill ran out of GPU memory: nothing is streamed here any more
 
     def __init__(self, *args, plan: Plan = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -134,6 +147,8 @@ class StreamingScorerMixin:
         A uid not finished here yet gets a tombstone: its last chunk may still be queued in a rollout
         actor (the discard can overtake it), and its result is dropped when it lands.
         """
+        if self.oppo_streaming_off:
+            return  # nothing is kept, and no chunk will land
         for uid in uids:
             if uid in self.oppo_finished:
                 del self.oppo_finished[uid]
@@ -151,22 +166,54 @@ class StreamingScorerMixin:
         return [Chunk(r.uid, 0, r.tokens, r.prompt_len, final=True) for r in stale]
 
     def _process(self, chunks) -> None:
-        if not chunks:
+        if not chunks or self.oppo_streaming_off:
             return
+        try:
+            results = self._score(chunks)
+        except torch.OutOfMemoryError as error:
+            results, reason = None, str(error).partition("\n")[0]
+        if results is None:
+            # After the except clause: until it ends, the error's traceback holds the failed forward's tensors.
+            self._stream_off(chunks, reason)
+            return
+        for uid, result in results.items():
+            if uid in self.oppo_discarded:
+                self.oppo_discarded.discard(uid)
+            else:
+                self.oppo_finished[uid] = result
+
+    def _score(self, chunks) -> dict:
         module = self.oppo_scorer.model
         was_training = module.training
         module.eval()
         try:
             with self.oppo_tracer.span("prefill", track=self.oppo_role, chunks=len(chunks)):
                 with self.oppo_peaks.phase("generation"):
-                    results = self.oppo_scorer.process(chunks)
+                    return self.oppo_scorer.process(chunks)
         finally:
             module.train(was_training)
-        for uid, result in results.items():
-            if uid in self.oppo_discarded:
-                self.oppo_discarded.discard(uid)
-            else:
-                self.oppo_finished[uid] = result
+
+    def _stream_off(self, chunks, reason: str) -> None:
+        """No more streaming on this rank (the module's docstring says why): the scores and caches it held are
+        dropped, so that the memory is there for upstream's forward and for training. Under ZeRO-3 the gathered
+        copy goes too; its ``refresh`` after each fit still joins the other ranks' gathers."""
+        self.oppo_streaming_off = True
+        self.oppo_scorer.close()
+        if self.oppo_copy is not None:
+            self.oppo_copy.release()
+        self.oppo_finished.clear()
+        self.oppo_discarded.clear()
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        role = f"{self.oppo_role} rank {_rank()}"
+        sequences, tokens = len({chunk.uid for chunk in chunks}), sum(len(chunk.tokens) for chunk in chunks)
+        print(
+            f"[openrlhf-oppo] warning: {role} ran out of GPU memory prefilling {tokens} tokens of {sequences} "
+            f"sequences ({reason}): streaming off for {role} for the rest of the run: its micro-batches are scored "
+            "after generation",
+            flush=True,
+        )
 
     @ray.method(concurrency_group=REPORT)
     def oppo_stats(self) -> ScorerStats:
@@ -182,6 +229,7 @@ class StreamingScorerMixin:
             cached_bytes=scorer.cached_bytes(),
             waiting=len(self.oppo_finished),
             tombstones=len(self.oppo_discarded),
+            streaming_off=self.oppo_streaming_off,
         )
 
     @ray.method(concurrency_group=REPORT)
@@ -217,8 +265,7 @@ class _TrainableScorerMixin(StreamingScorerMixin):
         oppo = self.oppo_plan
         if not oppo.profile_step or oppo.profile_step != self.oppo_fits:
             return contextlib.nullcontext()
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        name = f"profile_{self.oppo_trained_role}_rank{rank}_step{self.oppo_fits:05d}.json"
+        name = f"profile_{self.oppo_trained_role}_rank{_rank()}_step{self.oppo_fits:05d}.json"
         return profiled(os.path.join(oppo.trace_dir, name))
 
     def _after_fit(self, status: dict, started: float) -> dict:

@@ -127,6 +127,12 @@ class ChunkScorer:
         for uid in uids:
             self._sequences.pop(uid, None)
 
+    def close(self) -> None:
+        """Drop every sequence and the model: this scorer prefills nothing more. Its counters stay for the
+        reports; the model stays alive only where its owner keeps it."""
+        self._sequences = {}
+        self.model = self.base = self.head = None
+
     @torch.no_grad()
     def process(self, chunks: List[Chunk]) -> Dict[str, ScoredSequence]:
         """Prefill ``chunks`` and return the scores of the sequences that ended with them."""

@@ -52,7 +52,13 @@ class InferenceCopy:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Copy the source's current weights in. A collective: every rank of the model must call it."""
+        """Copy the source's current weights in. A collective: every rank of the model must call it, a rank whose
+        copy was released too (it joins the gathers and copies nothing)."""
+        if self.module is None:  # released: the other ranks' gathers wait for this rank's share
+            for parameter in self.source.parameters():
+                with deepspeed.zero.GatheredParameters([parameter]):
+                    pass
+            return
         targets = dict(self.module.named_parameters())
         for name, parameter in self.source.named_parameters():  # the same order on every rank
             with deepspeed.zero.GatheredParameters([parameter]):
@@ -60,6 +66,10 @@ class InferenceCopy:
         targets = dict(self.module.named_buffers())
         for name, buffer in self.source.named_buffers():
             targets[name].copy_(buffer)
+
+    def release(self) -> None:
+        """Free the copy (its scorer streams no more); ``refresh`` still takes part in the other ranks' gathers."""
+        self.module = None
 
     def nbytes(self) -> int:
         tensors = list(self.module.parameters()) + list(self.module.buffers())

@@ -9,6 +9,7 @@ actor, samples generators and experience maker for OPPO. The demo and the tests 
 """
 
 import functools
+import itertools
 import os
 from copy import deepcopy
 from datetime import timedelta
@@ -34,6 +35,7 @@ from openrlhf_oppo.protocol import ROLES, ScorerSettings, StreamSettings
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming import actors
 from openrlhf_oppo.streaming.rollout import CONCURRENCY_GROUPS, BoundActorClass, OPPORolloutActor
+from openrlhf_oppo.streaming.scorer import unwrap_model
 from openrlhf_oppo.weight_sync import OPPOWorkerWrap
 
 
@@ -42,6 +44,20 @@ def use_cpu_for_cuda_calls() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.empty_cache = lambda: None
+
+
+def run_out_of_memory_at_prefill(model: torch.nn.Module, forward: int):
+    """``model`` (the Hugging Face module a ``ChunkScorer`` runs) raises ``torch.OutOfMemoryError`` in the
+    ``forward``-th streamed prefill forward from now on, as a GPU out of memory does. The scorer's forwards are those
+    given a KV cache; upstream's forward passes none and runs as before. Returns the hook's handle."""
+    base = getattr(model, model.base_model_prefix)  # the module the scorer calls
+    prefills = itertools.count(1)
+
+    def out_of_memory(module, args, kwargs):
+        if kwargs.get("past_key_values") is not None and next(prefills) == forward:
+            raise torch.OutOfMemoryError(f"CPU stand-in: out of memory in prefill forward {forward}")
+
+    return base.register_forward_pre_hook(out_of_memory, with_kwargs=True)
 
 
 class _CPUModel:
@@ -55,6 +71,10 @@ class _CPUModel:
 
     def empty_cache(self):
         pass
+
+    def run_out_of_memory_at_prefill(self, forward: int) -> None:
+        """This actor's scorer runs out of memory in its ``forward``-th prefill forward from now on."""
+        run_out_of_memory_at_prefill(unwrap_model(self.oppo_model()), forward)
 
 
 def _value_model(args, path, kind):
