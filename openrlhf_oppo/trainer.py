@@ -503,7 +503,8 @@ def scorer_metrics(stats: dict) -> dict:
     sequences that lost their cache to ``--oppo.cache_budget_gb`` since the start (scored in full at the end).
     ``scorer_busy_s``: seconds the busiest scorer spent in prefill calls since the last step; ``busy_s/<role>``:
     the same for that role's busiest rank (for the policy under ``--oppo.policy_logprobs vllm``, the busiest
-    engine's time scoring its log-probs).
+    engine's time scoring its log-probs). ``streaming_off/<role>``: 1 once a rank of that role ran out of GPU
+    memory in a prefill and stopped streaming (its micro-batches are scored after generation from then on).
     """
 
     def most(value):
@@ -517,6 +518,10 @@ def scorer_metrics(stats: dict) -> dict:
         "oppo/scorer_evictions": most(lambda rank: rank.evictions),
         "oppo/scorer_busy_s": float(max(busy.values())),
         **{f"oppo/busy_s/{role}": float(seconds) for role, seconds in busy.items()},
+        **{
+            f"oppo/streaming_off/{role}": float(any(rank.streaming_off for rank in ranks))
+            for role, ranks in stats.items()
+        },
     }
 
 

@@ -201,6 +201,7 @@ def test_a_scorer_out_of_memory_turns_its_streaming_off_and_the_run_goes_on(chec
     for i, step in enumerate(steps):
         assert step["oppo/fallback_micro_batches"] == float(i >= off)  # each step's one micro-batch, the critic's
         assert step["oppo/busy_s/reward"] > 0 and step["oppo/busy_s/policy"] > 0
+        assert step["oppo/streaming_off/critic"] == float(i >= off) and step["oppo/streaming_off/reward"] == 0
         if i > off:
             assert step["oppo/busy_s/critic"] == 0  # no prefill call ran
 
