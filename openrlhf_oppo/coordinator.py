@@ -5,24 +5,26 @@ the trainer ask it, and nothing else in the trainer process talks to those actor
 the one map from roles to scoring actors, and turns a dead or silent actor into one ``OPPOActorError``
 that says which actor and what the trainer was doing.
 
-One step, in call order (``docs/design.md`` draws it; ``OPPOTrainer.train_step`` makes the calls of steps 2 to 7):
+Its calls follow a step's phases as ``OPPOTrainer.train_step`` runs them, each phase a method of the trainer:
 
-1. ``connect`` once, after the models are loaded: scorers built, rollout actors told where to stream. With
-   ``--oppo.policy_logprobs vllm`` the engines score the policy's log-probs themselves: for that role the
-   rollout actors stand where its ranks would (rank i is engine i) and answer ``collect``, ``discard`` and
-   ``stats``.
-2. Generation: the rollout actors stream chunks straight to the scorers (``oppo_prefill``), no trainer call.
-3. ``hold``: once the step's groups are done, the chunks of the roles whose GPUs train only queue, until
-   ``release`` (inter-step overlap only).
-4. ``flush`` + ``collect``: the batch's queued chunks sent, every prefill awaited, the scores fetched from
-   the rank that holds each sequence (``discard`` for those training dropped).
-5. ``sync_weights``: ``pause`` / ``resume`` around the weight sync, when requests outlive the step (paused
-   only to load the new weights when they were staged while the engines decoded).
-6. ``release``: the chunks held through training go out (inter-step overlap only); the critic's may have
-   gone out when its own training ended (``--oppo.critic_catch_up after_fit``), or only those of the next
-   batch, its other chunks kept held until its next update (``catch_up``, ``--oppo.critic_catch_up
-   next_batch``).
-7. ``stats``, ``resources``, ``set_chunk_size``, ``drain_traces`` once a step.
+* ``connect`` once, after the models are loaded (``OPPOTrainer.fit``): scorers built, rollout actors told where
+  to stream. With ``--oppo.policy_logprobs vllm`` the engines score the policy's log-probs themselves: for that
+  role the rollout actors stand where its ranks would (rank i is engine i) and answer ``collect``, ``discard``
+  and ``stats``.
+* Generation (upstream's ``fit``, before ``train_step``): the rollout actors stream chunks straight to the
+  scorers (``oppo_prefill``), with no trainer call.
+* ``_end_generation`` (inter-step overlap): ``hold``: the chunks of the roles whose GPUs train only queue, until
+  ``release``; engines awake on the models' GPUs ``pause``.
+* ``_discard_dropped``: ``discard`` the sequences training will not see.
+* ``_make_experience``: ``flush`` + ``collect`` (the experience maker's): the batch's queued chunks sent, every
+  prefill awaited, the scores fetched from the rank that holds each sequence.
+* ``_train``: ``unpause`` (``--oppo.colocated_decode during_training``); the critic's ``catch_up`` once its fit
+  returns (``--oppo.critic_catch_up after_fit`` or ``next_batch``, which sends only the next batch's chunks and
+  keeps the others held until their batch).
+* ``_sync_weights_and_release``: ``sync_weights``, with ``pause`` / ``resume`` around it when requests outlive
+  the step (paused only to load the new weights when they were staged while the engines decoded);
+  ``release_engine_scoring``; ``release``: the chunks held through training go out.
+* The step's metrics and trace: ``stats``, ``resources``, ``set_chunk_size``, ``drain_traces``.
 """
 
 import time

@@ -1,7 +1,9 @@
 """Chrome/Perfetto trace events (``--oppo.trace_dir``).
 
 Each process records spans with wall-clock times; the trainer collects them at the end of a step and
-writes one JSON file per step. Recording is a list append per span, and nothing at all when off.
+writes one JSON file per step. Recording is a list append per span, and nothing at all when off. A ``timed``
+span is measured either way: the trainer times its step's phases with them, for the trace and for the step's
+``timing/*`` metrics.
 """
 
 import json
@@ -9,6 +11,13 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass
+class Timed:
+    start: float
+    seconds: float = 0.0  # set when the span ends
 
 
 class Tracer:
@@ -23,11 +32,20 @@ class Tracer:
         if not self.enabled:
             yield
             return
-        start = time.time()
-        try:
+        with self.timed(name, **args):
             yield
+
+    @contextmanager
+    def timed(self, name: str, **args):
+        """A span measured whether or not tracing is on: yields its ``Timed``, whose ``seconds`` are set when it
+        ends."""
+        timed = Timed(start=time.time())
+        try:
+            yield timed
         finally:
-            self.add(name, start, time.time(), **args)
+            end = time.time()
+            timed.seconds = end - timed.start
+            self.add(name, timed.start, end, **args)
 
     def add(self, name: str, start: float, end: float, **args) -> None:
         if not self.enabled:

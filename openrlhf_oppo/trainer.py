@@ -1,15 +1,16 @@
 """OPPO's PPO trainer: upstream's ``PPOTrainer`` with OPPO's samples generator and experience maker.
 
 Upstream builds its ``SamplesGenerator`` and ``RemoteExperienceMaker`` inside the trainer actor, so
-they are replaced here, after ``super().__init__``. A step is read in ``OPPOTrainer.train_step``, phase by phase:
-upstream's ``fit`` asks the samples generator for the step's batch (with inter-step overlap the groups'
-top-up and wait, ``OvercommitSamplesGenerator``), hands it to ``train_step``, and between steps logs, saves
-and evaluates. This class also sets up streaming (once the models are loaded), the chunk-size and overcommit
+they are replaced here, after ``super().__init__``. A step reads top to bottom in ``OPPOTrainer.train_step``, one
+method a phase: upstream's ``fit`` asks the samples generator for the step's batch (with inter-step overlap the
+groups' top-up and wait, ``OvercommitSamplesGenerator``), hands it to ``train_step``, and between steps logs,
+saves and evaluates. This class also sets up streaming (once the models are loaded), the chunk-size and overcommit
 controllers, checkpointing of carried prompts, and the ``oppo/*`` metrics and traces.
 """
 
 import os
 import time
+from contextlib import contextmanager
 
 import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
@@ -101,6 +102,11 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             )
         # --oppo.state_moves overlap: moves started outside ppo_train, awaited at its start.
         self.critic_reload, self.policy_offload, self.policy_offload_due = [], [], False
+        # What the engines do when the step's generation ends and when its training starts is the placement's:
+        # picked once, run by the step's phases (train_step).
+        self.engines_after_generation = self._pick_engines_after_generation()
+        self.engines_before_training = self._unpause_carried_requests if oppo.resumes_for_training else lambda: {}
+        self.timings = {}  # the step's timing/* metrics, one per timed phase (_timed)
 
     def _make_samples_generator(self, strategy, vllm_engines):
         oppo, args = self.plan, self.args
@@ -165,133 +171,172 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     # -- one step -----------------------------------------------------------------------------------
 
     def train_step(self, rollout_samples, global_step):
-        """One OPPO step, phase by phase. Upstream's ``fit`` made the first phase, the step's generation, before
-        calling this: with inter-step overlap, top up the groups in flight to B + Delta and wait for B of them
-        (``OvercommitSamplesGenerator``). Here, each phase a span of the trace's "trainer" track:
-
-        1. end of generation (inter-step): hold the carried chunks, top up for the next step (``--oppo.top_up
-           step_end``), put the engines to sleep or pause them;
-        2. discard what training will not see; flush and collect the streamed scores, make experience;
-        3. train, with the critic's hook (``ppo_train``);
-        4. weight sync; the engines' scoring of the next batch; release the chunks held through training;
-        5. the ``oppo/*`` metrics and the step's trace.
-
-        Upstream's ``train_step`` (0.11.2), COPIED, with OPPO's phases marked."""
+        """Upstream's ``train_step`` (0.11.2), COPIED as a list of phases, with OPPO's own marked ``OPPO change``.
+        Upstream's ``fit`` made the step's generation before calling it (with inter-step overlap: top up the groups
+        to B + Delta and wait for B of them, ``OvercommitSamplesGenerator``). Each phase is a method whose docstring
+        says which of upstream's lines it stands for and what OPPO changes there. A timed phase is one span of the
+        trace's "trainer" track, whose seconds the step logs as ``timing/<phase>`` (``_timed``)."""
+        self.timings = {}
+        # --- OPPO change: the end of generation, and the scores training will not see. ---
         lag = self._policy_lag(rollout_samples)  # before this step's update bumps the version
-        # --- OPPO change: the end of generation. Hold: until the weight sync, the carried sequences' chunks for the
-        # models about to train only queue (their scores would use weights about to change). New prompts for the
-        # next step may decode through training; engines on the models' GPUs sleep or pause their requests. ---
-        t0 = time.time()
-        if self.plan.inter_step:
-            with self.tracer.span("hold", track="trainer"):
-                self.coordinator.hold()
-            if self.plan.top_up == "step_end":
-                with self.tracer.span("top_up", track="trainer"):
-                    self.samples_generator.top_up_next_step(self.generate_kwargs)
-            if self.args.vllm.enable_sleep:
-                batch_vllm_engine_call(self.vllm_engines, "sleep")
-            elif self.plan.pauses_after_generation and self.samples_generator.groups:
-                with self.tracer.span("pause", track="trainer"):
-                    self.coordinator.pause(clear_cache=False)
-        end_of_generation_time = time.time() - t0
-
-        # --- OPPO change: free the scores of the streamed sequences training will not see. ---
-        with self.tracer.span("discard", track="trainer"):
-            discarded = self._discard_dropped()
-
-        # Turn raw rollouts into PPO-ready trajectories with rewards.
-        t0 = time.time()
-        with self.tracer.span("make_experience", track="trainer"):
-            if self.coordinator.roles:
-                # --- OPPO change: flush and collect the streamed scores; the critic then has nothing more to
-                # score this step, so its states may start loading (--oppo.state_moves overlap). ---
-                streamed = self.experience_maker.collect_scores(rollout_samples)
-                oppo = self.plan
-                if streamed.collected and oppo.state_moves == "overlap" and "critic" in oppo.streamed_roles:
-                    self._prefetch_critic_states()
-                experiences = self.experience_maker.make_experience_batch(rollout_samples, streamed)
-            else:
-                experiences = self.experience_maker.make_experience_batch(rollout_samples)
-        make_experience_time = time.time() - t0
-
-        # Peek at the first decoded sample for quick sanity check.
-        sample0 = [
-            self.tokenizer.decode(experiences[0].sequences[0].unsqueeze(0), skip_special_tokens=True)[0],
-            experiences[0].info["reward"][0].item(),
-        ]
-        logger.info(f"Sample: {sample0}")
-
-        # Compute ground-truth rollout stats BEFORE dynamic batch splitting
-        rollout_stats = self._compute_rollout_stats(experiences)
-
-        # Balance experiences across DP ranks if needed.
-        if self.args.train.dynamic_batch_enable:
-            experiences = balance_experiences(experiences, self.args)
-
-        # Push experiences to actor (and critic) shards before PPO.
-        refs = self.actor_model_group.async_run_method_batch(method_name="append", experience=experiences)
-        if self.critic_model_group is not None:
-            refs.extend(self.critic_model_group.async_run_method_batch(method_name="append", experience=experiences))
-        ray.get(refs)
-
-        # Perform PPO optimization for actor/critic and gather metrics.
-        t0 = time.time()
-        # --- OPPO change: --oppo.colocated_decode during_training: the experiences are made, so the carried
-        # requests, which generation paused when the step's groups were done, decode beside training. ---
-        paused_s = None
-        if self.plan.resumes_for_training and self.samples_generator.groups:
-            with self.tracer.span("unpause", track="trainer"):
-                paused_s = self.coordinator.unpause()
-        with self.tracer.span("ppo_train", track="trainer"), phase("training"):
-            status = self.ppo_train(global_step)  # the critic's hook inside: _critic_catch_up
-        if paused_s is not None:
-            status["oppo/decoding_paused_s"] = paused_s
-        ppo_train_time = time.time() - t0
-
-        # Sync weights to vLLM.
-        t0 = time.time()
-        if self.vllm_engines is not None:
-            self.broadcast_to_vllm()
-            # --- OPPO change: the engines hold the new weights, so the policy's log-probs they score need not
-            # wait for the next step's start, which comes after this step's metrics, and those can wait on the
-            # critic's catch-up. Once the next step's groups are all done, only theirs. ---
-            if self.coordinator.scored_by_engines:
-                with self.tracer.span("engine_scoring", track="trainer"):
-                    next_batch = self.samples_generator.next_batch_streams()
-                    self.coordinator.release_engine_scoring(next_batch)
-                self.weight_sync_metrics["oppo/engine_scoring_batch_only"] = float(next_batch is not None)
-        # --- OPPO change: every model has its new weights: the chunks held through training go out (those that
-        # the critic's and the engines' catch-up sent, and those they keep held until their batch, aside). ---
-        if self.plan.inter_step:
-            with self.tracer.span("release", track="trainer"):
-                self.coordinator.release()
-        broadcast_time = time.time() - t0
-
-        # Refresh KL controller with the latest measurement.
-        if "kl" in status:
-            # TODO: KL controller must be FixedKLController; AdaptiveKLController is incompatible here.
-            self.kl_ctl.update(status["kl"], self.args.rollout.batch_size * self.args.rollout.n_samples_per_prompt)
-
-        # Per-phase timing breakdown
-        if self.plan.inter_step:
-            status["timing/end_of_generation"] = end_of_generation_time  # --- OPPO change ---
-        status["timing/make_experience"] = make_experience_time
-        status["timing/ppo_train"] = ppo_train_time
-        status["timing/broadcast"] = broadcast_time
-
-        # Merge rollout stats (ground-truth, pre-dynamic-batch)
+        self._end_generation()
+        discarded = self._discard_dropped()
+        # Upstream's body, one method a block.
+        experiences = self._make_experience(rollout_samples)
+        sample0 = self._first_sample(experiences)
+        rollout_stats = self._compute_rollout_stats(experiences)  # ground truth, before dynamic batch splitting
+        self._push_experiences(experiences)
+        status = self._train(global_step)
+        self._sync_weights_and_release()
+        self._update_kl_controller(status)
+        status.update(self.timings)  # per-phase timing breakdown
         status.update(rollout_stats)
-
         status["generated_samples"] = sample0
         # --- OPPO change: the oppo/* metrics, and the step's trace. ---
         status.update(lag)
         status.update(discarded)
         status.update(self._oppo_metrics(status))
         global_step += 1
+        self._write_trace(global_step)
+        return status, global_step
+
+    @contextmanager
+    def _timed(self, name: str):
+        """Time a phase once for both the trace (a span of its "trainer" track) and the step's metrics
+        (``timing/<name>``)."""
+        with self.tracer.timed(name, track="trainer") as timed:
+            yield
+        self.timings[f"timing/{name}"] = timed.seconds
+
+    def _end_generation(self) -> None:
+        """OPPO's phase, with inter-step overlap: the step's groups are done, and those it carries go on. Hold:
+        until the weight sync, the carried sequences' chunks for the models about to train only queue (their scores
+        would use weights about to change). New prompts for the next step may start now (``--oppo.top_up
+        step_end``) and decode through training. Then the engines do what the plan picked for them
+        (``engines_after_generation``). Without inter-step overlap upstream's generation ended it all."""
+        if not self.plan.inter_step:
+            return
+        with self._timed("end_of_generation"):
+            with self.tracer.span("hold", track="trainer"):
+                self.coordinator.hold()
+            if self.plan.top_up == "step_end":
+                with self.tracer.span("top_up", track="trainer"):
+                    self.samples_generator.top_up_next_step(self.generate_kwargs)
+            self.engines_after_generation()
+
+    def _pick_engines_after_generation(self):
+        """What the engines do when the step's groups are done, from the placement: asleep between steps
+        (``--vllm.enable_sleep``, upstream's hybrid engine) they sleep, as upstream's generation puts them to sleep;
+        awake on the models' GPUs they pause their carried requests, so that the models have the GPU to themselves
+        (unless ``--oppo.colocated_decode continue``); on GPUs of their own they decode on."""
+        if self.args.vllm.enable_sleep:
+            return lambda: batch_vllm_engine_call(self.vllm_engines, "sleep")
+        if self.plan.pauses_after_generation:
+            return self._pause_carried_requests
+        return lambda: None
+
+    def _pause_carried_requests(self) -> None:
+        if self.samples_generator.groups:
+            with self.tracer.span("pause", track="trainer"):
+                self.coordinator.pause(clear_cache=False)
+
+    def _unpause_carried_requests(self) -> dict:
+        """``--oppo.colocated_decode during_training``: the experiences are made, so the carried requests, which the
+        end of generation paused, decode beside training."""
+        if not self.samples_generator.groups:
+            return {}
+        with self.tracer.span("unpause", track="trainer"):
+            return {"oppo/decoding_paused_s": self.coordinator.unpause()}
+
+    def _discard_dropped(self) -> dict:
+        """OPPO's phase: free the scores of the streamed sequences that training will not see (dropped by dynamic
+        filtering, or replaced by a ``-full`` stream): nothing else would, and the critic and policy would re-score
+        them after every weight update."""
+        with self.tracer.span("discard", track="trainer"):
+            dropped = self.samples_generator.take_dropped()
+            if not self.coordinator.roles:
+                return {}
+            self.coordinator.discard(dropped)
+        return {"oppo/discarded_sequences": float(len(dropped))}
+
+    def _make_experience(self, rollout_samples) -> list:
+        """Upstream's "Turn raw rollouts into PPO-ready trajectories with rewards" (its ``make_experience_batch``
+        call, timed as ``timing/make_experience``). OPPO's change: with streaming, the streamed scores are flushed
+        and collected first; the critic then has nothing more to score this step, so its states may start loading
+        (``--oppo.state_moves overlap``)."""
+        with self._timed("make_experience"):
+            if not self.coordinator.roles:
+                return self.experience_maker.make_experience_batch(rollout_samples)
+            streamed = self.experience_maker.collect_scores(rollout_samples)
+            oppo = self.plan
+            if streamed.collected and oppo.state_moves == "overlap" and "critic" in oppo.streamed_roles:
+                self._prefetch_critic_states()
+            return self.experience_maker.make_experience_batch(rollout_samples, streamed)
+
+    def _first_sample(self, experiences) -> list:
+        """Upstream's "Peek at the first decoded sample for quick sanity check", COPIED."""
+        sample0 = [
+            self.tokenizer.decode(experiences[0].sequences[0].unsqueeze(0), skip_special_tokens=True)[0],
+            experiences[0].info["reward"][0].item(),
+        ]
+        logger.info(f"Sample: {sample0}")
+        return sample0
+
+    def _push_experiences(self, experiences) -> None:
+        """Upstream's "Balance experiences across DP ranks if needed" and "Push experiences to actor (and critic)
+        shards before PPO", COPIED."""
+        if self.args.train.dynamic_batch_enable:
+            experiences = balance_experiences(experiences, self.args)
+        refs = self.actor_model_group.async_run_method_batch(method_name="append", experience=experiences)
+        if self.critic_model_group is not None:
+            refs.extend(self.critic_model_group.async_run_method_batch(method_name="append", experience=experiences))
+        ray.get(refs)
+
+    def _train(self, global_step) -> dict:
+        """Upstream's "Perform PPO optimization for actor/critic and gather metrics" (its ``ppo_train`` call, timed
+        as ``timing/ppo_train``; the critic's hook is inside, ``ppo_train``). OPPO's change: first, the engines do
+        what the plan picked for them (``engines_before_training``)."""
+        with self._timed("ppo_train"):
+            paused = self.engines_before_training()
+            with phase("training"):
+                status = self.ppo_train(global_step)
+            status.update(paused)
+        return status
+
+    def _sync_weights_and_release(self) -> None:
+        """Upstream's "Sync weights to vLLM" (timed as ``timing/broadcast``). OPPO's changes: the engines score
+        the policy's log-probs with the new weights (``--oppo.policy_logprobs vllm``), and, with inter-step
+        overlap, every model has its new weights, so the chunks held through training go out (except those that
+        the critic's and the engines' catch-up sent, and those they keep held until their batch)."""
+        with self._timed("broadcast"):
+            if self.vllm_engines is not None:
+                self.broadcast_to_vllm()
+                if self.coordinator.scored_by_engines:
+                    self._release_engine_scoring()
+            if self.plan.inter_step:
+                with self.tracer.span("release", track="trainer"):
+                    self.coordinator.release()
+
+    def _release_engine_scoring(self) -> None:
+        """The engines hold the new weights, so the policy's log-probs they score need not wait for the next step's
+        start, which comes after this step's metrics, and those can wait on the critic's catch-up. Once the next
+        step's groups are all done, only theirs."""
+        with self.tracer.span("engine_scoring", track="trainer"):
+            next_batch = self.samples_generator.next_batch_streams()
+            self.coordinator.release_engine_scoring(next_batch)
+        self.weight_sync_metrics["oppo/engine_scoring_batch_only"] = float(next_batch is not None)
+
+    def _update_kl_controller(self, status) -> None:
+        """Upstream's "Refresh KL controller with the latest measurement", COPIED."""
+        if "kl" in status:
+            # TODO: KL controller must be FixedKLController; AdaptiveKLController is incompatible here.
+            self.kl_ctl.update(status["kl"], self.args.rollout.batch_size * self.args.rollout.n_samples_per_prompt)
+
+    def _write_trace(self, global_step) -> None:
+        """The step's spans, this process's and every actor's, in one file (``--oppo.trace_dir``)."""
         if self.tracer.enabled:
             events = self.tracer.drain() + self.coordinator.drain_traces()
             write_trace(os.path.join(self.plan.trace_dir, f"step_{global_step:05d}.json"), events)
-        return status, global_step
 
     def _policy_lag(self, rollout_samples) -> dict:
         """How many weight versions the first token of each sample is behind the policy it trains (0: on-policy),
@@ -313,16 +358,6 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             "oppo/policy_lag_max": float(max(lags)),
             "oppo/max_lag": float(self.plan.max_lag),
         }
-
-    def _discard_dropped(self) -> dict:
-        """Free the scores of the streamed sequences that training will not see (dropped by dynamic filtering,
-        or replaced by a ``-full`` stream): nothing else would, and the critic and policy would re-score
-        them after every weight update."""
-        dropped = self.samples_generator.take_dropped()
-        if not self.coordinator.roles:
-            return {}
-        self.coordinator.discard(dropped)
-        return {"oppo/discarded_sequences": float(len(dropped))}
 
     def _oppo_metrics(self, status) -> dict:
         metrics = dict(getattr(self.experience_maker, "metrics", {}))

@@ -38,7 +38,7 @@ def run_epochs(pipeline, path, epochs, batch, delta, max_defer_steps=2, state=No
     for _ in range(epochs):
         while True:
             samples, _, consumed, exhausted = generator.generate_samples(**pipeline.generate_kwargs())
-            if top_up_at_end:  # what OPPOTrainer.train_step does first under --oppo.top_up step_end
+            if top_up_at_end:  # what OPPOTrainer._end_generation does under --oppo.top_up step_end
                 generator.top_up_next_step(pipeline.generate_kwargs())
             history.append(
                 dict(
@@ -110,7 +110,7 @@ def test_carried_requests_decode_through_training_only_where_the_engines_may(pip
     pipeline.args.rollout.batch_size = 4
     try:
         samples, *_ = generator.generate_samples(**pipeline.generate_kwargs())
-        if pause:  # what OPPOTrainer.train_step does first where the plan pauses after generation
+        if pause:  # what OPPOTrainer._end_generation does where the plan pauses the engines
             pipeline.coordinator.pause(clear_cache=False)
         trained = Counter(groups_of(samples).keys())
         assert generator.metrics["oppo/carried_in_flight"] == 3

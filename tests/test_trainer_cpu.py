@@ -4,6 +4,7 @@ Checks the oppo/* metrics in OpenRLHF's tensorboard log, the traces, and checkpo
 """
 
 import glob
+import inspect
 import json
 import os
 from pathlib import Path
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.engine
 
 # Mostly short responses and a few long ones, so that groups are carried over.
 LENGTHS = [4, 6, 3, 90, 5, 7, 4, 100, 6, 5, 3, 6]
+# A step's timed phases, in order: upstream's generation (in its fit), then those of OPPOTrainer.train_step.
+STEP_PHASES = ["generation", "end_of_generation", "make_experience", "ppo_train", "broadcast"]
 
 
 def run(checkpoints, engine, workdir, prompts, *extra):
@@ -84,6 +87,12 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
     assert {"flush", "collect", "kl_advantages", "advantages"} <= names  # the parts of make_experience
     assert {"top_up", "wait"} <= names  # the parts of generation
     assert {"hold", "release"} <= names  # the carried chunks, held from generation's end to the weight sync's
+    for trace, step in zip(traces, steps):
+        phases = timed_phases(trace)
+        assert [phase["name"] for phase in phases] == STEP_PHASES
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(phases, phases[1:]))  # one after the other (us)
+        for phase in phases[1:]:  # one timing for both the trace and the logged timing/* metric
+            assert step[f"timing/{phase['name']}"] == pytest.approx(phase["dur"] / 1e6, rel=1e-5)
     # Chunks held through training reach the critic and the policy only once the weight sync is done.
     assert not any(prefills_while_training(trace, role) for trace in traces for role in ("critic", "policy"))
     # --oppo.profile_step 2: each trained model's second fit, operator by operator, and no other step's.
@@ -92,6 +101,21 @@ def test_oppo_trainer_runs_two_episodes_with_streaming_and_overcommit(checkpoint
     for profile in profiles:
         ops = {event.get("name") for event in json.load(open(tmp_path / "trace" / profile))["traceEvents"]}
         assert {"aten::pow", "aten::sum"} <= ops  # the CPU stand-in's training, as torch.profiler saw it
+
+
+def timed_phases(trace: str) -> list:
+    """The spans of the step's phases on the trace's "trainer" track, in the order they started."""
+    events = json.load(open(trace))["traceEvents"]
+    return sorted((e for e in events if e["tid"] == "trainer" and e["name"] in STEP_PHASES), key=lambda e: e["ts"])
+
+
+def test_a_step_reads_as_its_phases():
+    """``train_step`` stays a short list of phase calls, each phase a method that times itself (``_timed``)."""
+    from openrlhf_oppo.trainer import OPPOTrainer
+
+    source = inspect.getsource(OPPOTrainer.train_step)
+    assert len(source.splitlines()) <= 40
+    assert "time.time()" not in source
 
 
 def prefills_while_training(trace: str, role: str) -> list:
