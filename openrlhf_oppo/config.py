@@ -1,4 +1,4 @@
-"""The ``--oppo.*`` and ``--bench.*`` options and the checks of a combination of them.
+"""The ``--oppo.*`` options and the checks of a combination of them.
 
 Every option is defined here with the sentence ``--help`` shows: ``OPTIONS`` are the ones a user sets, ``ADVANCED``
 the mechanism switches whose ``auto`` the plan decides (``plan.resolve``). The checks run on the plan's working
@@ -298,22 +298,6 @@ ALL_OPTIONS = {**OPTIONS, **ADVANCED}
 # Options that keep their meaning with OPPO off.
 WITHOUT_ENABLE = {"colocate_models"}
 
-BENCH_OPTIONS = {
-    "lengths_from_label": dict(
-        action="store_true",
-        default=False,
-        help="Benchmark workload: each prompt's label is its response length in tokens (max_tokens=label, "
-        "ignore_eos), so every system decodes the same lengths. Use with --data.label_key.",
-    ),
-    "seed_prompt_order": dict(
-        action="store_true",
-        default=False,
-        help="Benchmark workload: shuffle the prompts with a generator seeded from --train.seed, so that every "
-        "run sees them in the same order (upstream's trainer shuffles them with an unseeded generator).",
-    ),
-}
-
-
 # Upstream's --train.batch_size default. add_arguments leaves it out of the parse, so that extension.configure can
 # tell a batch given from the default, which is warned of where a step makes fewer samples (preflight.check_flags).
 UPSTREAM_TRAIN_BATCH_SIZE = 128
@@ -328,9 +312,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "OPPO advanced", "Mechanism switches for experiments and the benchmark; 'auto' is the plan's choice."
     )
     _add_options(advanced, ADVANCED)
-    bench = parser.add_argument_group("Benchmark workload", "Workload controls used by python -m openrlhf_oppo.bench.")
-    for name, kwargs in BENCH_OPTIONS.items():
-        bench.add_argument(f"--bench.{name}", **dict(kwargs, help=_with_default(kwargs["help"], kwargs["default"])))
 
 
 def _add_options(group, options: dict) -> None:

@@ -7,14 +7,13 @@ and the experience maker) are replaced by ``OPPOTrainer.__init__``, not here.
 
 | upstream                                   | replaced by                     | when                              |
 |--------------------------------------------|---------------------------------|-----------------------------------|
-| vllm_engine.RolloutRayActor                | streaming.rollout.OPPORolloutActor | --oppo.enable or --bench.lengths_from_label |
+| vllm_engine.RolloutRayActor                | streaming.rollout.OPPORolloutActor | --oppo.enable, or a sampling params hook |
 | launcher.RewardModelActor                  | streaming.actors.StreamingRewardModelActor    | --oppo.enable |
 | launcher.ReferenceModelActor               | streaming.actors.StreamingReferenceModelActor | --oppo.enable |
 | ppo_critic.CriticModelActor                | streaming.actors.StreamingCriticModelActor    | --oppo.enable |
 | ppo_actor.PolicyModelActor                 | streaming.actors.StreamingPolicyModelActor    | --oppo.enable |
 | ppo_trainer.PPOTrainer                     | trainer.OPPOTrainer             | --oppo.enable                     |
 | train_ppo_ray.train (the placement)        | placement.train                 | --oppo.colocate_models (and --oppo.frozen_scorers_on) |
-| deepspeed.DeepspeedStrategy (get_strategy) | bench.seeded_order.SeededOrderStrategy | --bench.seed_prompt_order  |
 | (in OPPOTrainer) SamplesGenerator          | samples.OPPOSamplesGenerator / overcommit.sampler.OvercommitSamplesGenerator | --oppo.enable |
 | (in OPPOTrainer) RemoteExperienceMaker     | experience.StreamingExperienceMaker | a role streams |
 
@@ -24,6 +23,11 @@ receive it as a constructor argument, so no process derives it again from ``args
 With ``patches/openrlhf`` applied, upstream's own ``train_ppo_ray`` loads this module as an extension
 (the ``openrlhf.extensions`` entry point): ``add_arguments`` and ``configure`` below, which sets
 upstream's ``COMPONENTS`` instead of swapping globals.
+
+Tools that run OPPO's CLI in a driver of their own change what the rollout actors sample through one extension
+point, ``set_sampling_params_hook``, called before the CLI starts; the runtime itself registers no hook and imports
+no tool. The benchmark's driver (``python -m openrlhf_oppo.bench.driver``) registers its fixed-length workload there,
+and seeds upstream's prompt shuffle by swapping upstream's strategy class itself.
 """
 
 import importlib
@@ -34,6 +38,20 @@ from openrlhf_oppo import config, plan, preflight
 add_arguments = config.add_arguments
 
 _configured = {}  # id(args) -> args: the wrapper and a patched upstream's extension hook both call configure
+_sampling_params_hook = None  # set_sampling_params_hook
+
+
+def set_sampling_params_hook(hook) -> None:
+    """Have every rollout actor of the runs this process starts call ``hook(sampling_params, label)`` on each
+    prompt's sampling params, and sample that prompt's responses with what it returns (a copy: upstream passes the
+    same params for every prompt). ``label`` is the prompt's ``--data.label_key`` value. ``None`` removes the hook.
+
+    The hook reaches the actors pickled, so it must be a module-level function of an importable module. With a
+    hook, OPPO's rollout actor takes the place of upstream's even with OPPO off (it streams nothing then). Call
+    this before the CLI starts (``cli.train_ppo_ray.main``), which swaps the classes before upstream imports them.
+    """
+    global _sampling_params_hook
+    _sampling_params_hook = hook
 
 
 def configure(args) -> None:
@@ -53,20 +71,16 @@ def configure(args) -> None:
         print(f"[openrlhf-oppo] warning: {run_plan.memory.warning()}", flush=True)
     config.warn_of_the_first_tokens_log_prob(args)
     preflight.check(args, run_plan)  # what the flags point at: datasets, folders, models, the cache budget
-    if args.bench.seed_prompt_order:
-        from openrlhf_oppo.bench import seeded_order
-
-        seeded_order.install()
     if args.oppo.colocate_models:
         # Upstream's experience maker and trainer then treat the shared GPUs as colocated; a patched upstream's
         # train() places the models from these flags (patch 0002), the wrapper from placement.train.
         args.train.colocate_models = args.train.colocate_actor_ref = args.train.colocate_critic_reward = True
         args.train.frozen_models_with_vllm = run_plan.frozen_scorers_on == "generation"
-    if not (run_plan.enabled or args.bench.lengths_from_label):
+    if not (run_plan.enabled or _sampling_params_hook is not None):
         return
     from openrlhf_oppo.streaming.rollout import BoundActorClass, OPPORolloutRayActor, RolloutConfig, with_config
 
-    rollout = RolloutConfig(lengths_from_label=args.bench.lengths_from_label, stream_interval=run_plan.stream_interval)
+    rollout = RolloutConfig(stream_interval=run_plan.stream_interval, sampling_params_hook=_sampling_params_hook)
     components = sys.modules["__main__"].__dict__.get("COMPONENTS")
     if components is None:
         # The unpatched driver: install() swapped the classes before the options were parsed. Bind the plan to
@@ -120,13 +134,14 @@ def _bind_swapped_classes(run_plan) -> None:
             driver[name] = bound
 
 
-def install(enable: bool, lengths_from_label: bool = False) -> None:
+def install(enable: bool) -> None:
     from openrlhf.trainer.ray import vllm_engine
 
     from openrlhf_oppo.streaming.rollout import OPPORolloutRayActor, RolloutConfig, with_config
 
-    if enable or lengths_from_label:
-        vllm_engine.RolloutRayActor = with_config(OPPORolloutRayActor, RolloutConfig(lengths_from_label))
+    if enable or _sampling_params_hook is not None:
+        rollout = RolloutConfig(sampling_params_hook=_sampling_params_hook)
+        vllm_engine.RolloutRayActor = with_config(OPPORolloutRayActor, rollout)
     if not enable:
         return
     for role, cls in _oppo_classes().items():

@@ -14,13 +14,11 @@ import traceback
 
 def check(argv: list, workdir: str) -> dict:
     """``argv`` is what follows ``python -m openrlhf_oppo.bench``: the harness's options, then every run's flags
-    through ``parse_args``, on the checkpoints and prompts of ``workdir`` (the ``bench_workdir`` fixture's: the
-    preflight looks for them). Returns the shape and the count of runs."""
-    from openrlhf.utils import deepspeed
+    through the benchmark driver's ``parse_args``, on the checkpoints and prompts of ``workdir`` (the
+    ``bench_workdir`` fixture's: the preflight looks for them). Returns the shape and the count of runs."""
+    from openrlhf_oppo.bench.driver import parse_args
 
-    from openrlhf_oppo.cli.train_ppo_ray import parse_args
-
-    strategy, saved_argv = deepspeed.DeepspeedStrategy, sys.argv  # --bench.seed_prompt_order swaps the strategy
+    saved_argv = sys.argv
     try:
         if "--task" in argv:
             from openrlhf_oppo.bench import learning
@@ -41,7 +39,7 @@ def check(argv: list, workdir: str) -> dict:
         for flags in runs:
             parse_args(flags)
     finally:
-        deepspeed.DeepspeedStrategy, sys.argv = strategy, saved_argv
+        sys.argv = saved_argv
     return dict(shape=args.shape, runs=len(runs))
 
 

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 import torch
-from openrlhf.utils import deepspeed
 from transformers import get_scheduler
 
 from openrlhf_oppo import preflight
 from openrlhf_oppo.bench import addition, learning
+from openrlhf_oppo.bench.driver import parse_args
 from openrlhf_oppo.bench.learning import LEARNING_SYSTEMS
 from openrlhf_oppo.bench.systems import (
     AWAKE,
@@ -22,14 +22,13 @@ from openrlhf_oppo.bench.systems import (
     common_flags,
     system_flags,
 )
-from openrlhf_oppo.cli.train_ppo_ray import parse_args
 from openrlhf_oppo.config import OPPOConfigError
 from openrlhf_oppo.plan import resolve
 
 
 @pytest.mark.parametrize("placement,gpus", [("split", 2), ("split", 4), ("colocated", 1)])
 @pytest.mark.parametrize("system", SYSTEMS)
-def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatch, bench_workdir):
+def test_benchmark_system_is_a_valid_command(system, placement, gpus, bench_workdir):
     if system in SPLIT_ONLY and placement == "colocated":
         with pytest.raises(ValueError, match="GPUs of its own"):
             system_flags(system, placement, 16)
@@ -38,12 +37,9 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
         with pytest.raises(ValueError, match="use --placement colocated"):
             system_flags(system, placement, 16)
         return
-    # --bench.seed_prompt_order swaps the strategy class; undo that after the test.
-    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
     flags = common_flags(bench_workdir, f"{bench_workdir}/out", system, placement, gpus, 32, 1, 5, 4096, 64, 0, 2.0)
     args = parse_args(flags + system_flags(system, placement, 16))
     assert args.bench.lengths_from_label and args.bench.seed_prompt_order
-    assert deepspeed.DeepspeedStrategy.__name__ == "SeededOrderStrategy"
     assert args.oppo.enable == system.startswith("oppo")
     assert args.train.async_enable == (system == "upstream-async")
     assert args.oppo.colocate_models == (placement == "split" and system != "upstream-async")
@@ -72,12 +68,44 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, monkeypatc
         preflight.check_resources(args, {"GPU": gpus - 1, "CPU": 64}, "the machine")
 
 
+def test_the_driver_hands_the_cli_every_flag_but_its_own_and_sets_up_the_workload(monkeypatch, bench_workdir):
+    """What the benchmark's driver does before the user CLI starts a run: the CLI gets the other flags in their
+    order, the rollout actors the fixed-length hook, upstream's strategy the seeded prompt order."""
+    from openrlhf.utils import deepspeed
+
+    from openrlhf_oppo import extension
+    from openrlhf_oppo.bench import driver
+    from openrlhf_oppo.bench.fixed_lengths import fixed_length_params
+
+    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
+    monkeypatch.setattr(extension, "_sampling_params_hook", None)
+    flags = common_flags(bench_workdir, f"{bench_workdir}/out", "oppo-both", "split", 2, 32, 1, 5, 4096, 64, 0, 2.0)
+    flags += system_flags("oppo-both", "split", 16)
+    workload, rest = driver.split(flags)
+    assert vars(workload) == dict(lengths_from_label=True, seed_prompt_order=True)
+    assert rest == [flag for flag in flags if not flag.startswith("--bench.")] and len(rest) == len(flags) - 2
+    assert vars(driver.split(rest)[0]) == dict(lengths_from_label=False, seed_prompt_order=False)
+    driver.install(workload)
+    assert extension._sampling_params_hook is fixed_length_params
+    assert deepspeed.DeepspeedStrategy.__name__ == "SeededOrderStrategy"
+
+
+def test_the_drivers_help_shows_its_own_flags_then_the_clis(monkeypatch, capsys):
+    from openrlhf_oppo.bench import driver
+
+    monkeypatch.setattr(sys, "argv", ["driver", "--help"])
+    with pytest.raises(SystemExit):
+        driver.main()
+    shown = capsys.readouterr().out
+    assert shown.index("--bench.lengths_from_label") < shown.index("--bench.seed_prompt_order")
+    assert shown.index("--bench.seed_prompt_order") < shown.index("--oppo.enable")
+
+
 @pytest.mark.parametrize("system", ["upstream-sync", "oppo-both", "oppo-both-awake", "oppo-inter-awake"])
 def test_colocated_models_keep_their_states_on_the_gpu_without_ds_sleep(system, monkeypatch, bench_workdir):
     """``--ds_sleep off``: every colocated system runs without --ds.enable_sleep, and only that changes."""
     from openrlhf_oppo.bench.__main__ import parse, system_command
 
-    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
     commands = {}
     for ds_sleep in ("on", "off"):
         monkeypatch.setattr(sys, "argv", ["bench", "--out", "/o", "--systems", system, "--ds_sleep", ds_sleep])
@@ -90,11 +118,10 @@ def test_colocated_models_keep_their_states_on_the_gpu_without_ds_sleep(system, 
     assert args.vllm.enable_sleep == (system not in AWAKE)
 
 
-def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch, bench_workdir):
+def test_four_gpu_split_under_zero3_streams_every_role(bench_workdir):
     """examples/scripts/bench_4gpu_split.sh with ZERO=3 OFFLOAD=1 ROLLOUT_MB=32 TRAIN_MB=8: two engines, two ranks
     a model, ZeRO-3, Adam states in host memory, OpenRLHF's recipe micro-batches, and vLLM's smaller share of its
     GPUs leaves the frozen models room beside it."""
-    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
     flags = common_flags(
         bench_workdir, f"{bench_workdir}/out", "oppo-both", "split", 4, 64, 1, 5, 4096, 64, 0, 4.0, 32, 8
     )
@@ -108,11 +135,10 @@ def test_four_gpu_split_under_zero3_streams_every_role(monkeypatch, bench_workdi
 
 
 @pytest.mark.parametrize("system", ["upstream-sync", "upstream-async", "oppo-both", "oppo-inter"])
-def test_models_on_three_gpus_and_vllm_on_one(system, monkeypatch, bench_workdir):
+def test_models_on_three_gpus_and_vllm_on_one(system, bench_workdir):
     """``--model_gpus 3`` of 4: one engine, three ranks for the policy and critic; the OPPO systems whose frozen
     models stream put one reward and one reference rank beside the engine, the others keep three with the models
     (upstream's own checks of its placements included: the patched upstream repeats them)."""
-    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
     flags = common_flags(
         bench_workdir, f"{bench_workdir}/out", system, "split", 4, 32, 1, 5, 4096, 64, 0, 4.0, 8, 2, 3
     )
@@ -148,7 +174,6 @@ def test_oppo_extra_reaches_the_oppo_systems_only(monkeypatch, bench_workdir):
     throughput rule up to the batch, here."""
     from openrlhf_oppo.bench.__main__ import parse, system_command
 
-    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
     oppo_extra = ["--oppo.overcommit", "auto", "--oppo.overcommit_rule", "throughput", "--oppo.overcommit_max", "64"]
     argv = ["bench", "--gpus", "4", "--placement", "split", "--batch", "64", "--steps", "5", "--out", "/o"]
     argv += ["--extra=--train.micro_batch_size", "--extra=4"] + [f"--oppo_extra={flag}" for flag in oppo_extra]
@@ -165,10 +190,9 @@ def test_oppo_extra_reaches_the_oppo_systems_only(monkeypatch, bench_workdir):
 @pytest.mark.parametrize(
     "placement, system", [(placement, system) for placement, systems in LEARNING_SYSTEMS.items() for system in systems]
 )
-def test_learning_benchmark_run_is_a_valid_command(placement, system, monkeypatch, bench_workdir):
+def test_learning_benchmark_run_is_a_valid_command(placement, system, bench_workdir):
     """Every run of the learning benchmark: the task's prompts and rule reward, responses ending where the model
     ends them, advantages from the group of samples (no critic), the system's own flags."""
-    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
     gpus = "1" if placement == "colocated" else "2"
     options = learning.parse(["--task", "addition", "--out", "/o", "--placement", placement, "--gpus", gpus])
     assert system in options.systems.split(",")  # the placement's default systems
@@ -226,10 +250,9 @@ def test_learning_benchmarks_schedule_keeps_the_learning_rate_after_its_warm_up(
 
 
 @pytest.mark.parametrize("system", ["upstream-sync", "upstream-async", "oppo-both"])
-def test_group_norm_benchmark_drops_the_critic(system, monkeypatch, bench_workdir):
+def test_group_norm_benchmark_drops_the_critic(system, bench_workdir):
     """examples/scripts/bench_2gpu_split_group_norm.sh: 4 samples a prompt, group advantages; no critic is
     trained or streamed, and the last --algo.advantage.estimator (the script's --extra) wins."""
-    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
     flags = common_flags(bench_workdir, f"{bench_workdir}/out", system, "split", 2, 16, 4, 7, 4096, 64, 0, 2.0)
     args = parse_args(flags + system_flags(system, "split", 8) + ["--algo.advantage.estimator", "group_norm"])
     assert args.algo.advantage.estimator == "group_norm" and args.critic.model_name_or_path is None
@@ -339,10 +362,9 @@ def test_benchmark_runs_by_default_every_system_its_placement_can(placement, mon
     assert systems == [s for s in SYSTEMS if s not in other_only] and "oppo-both" in systems
 
 
-def test_learning_benchmark_updates_a_step(monkeypatch, bench_workdir):
+def test_learning_benchmark_updates_a_step(bench_workdir):
     """--updates sets the policy updates a step (each one micro-batch); a count that does not divide the step's
     samples is refused before anything runs."""
-    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)
     options = learning.parse(["--task", "addition", "--out", "/o", "--updates", "2"])
     args = parse_args(
         learning.run_flags(bench_workdir, f"{bench_workdir}/out", "oppo-both-seed0", "oppo-both", 0, options)

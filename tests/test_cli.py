@@ -57,7 +57,6 @@ def as_dict(namespace):
 def test_without_oppo_flags_args_are_upstreams(extra, monkeypatch):
     ours = as_dict(parse_args(BASE + extra + ["--rollout.n_samples_per_prompt", "2"]))
     theirs = as_dict(upstream_args(BASE + extra + ["--rollout.n_samples_per_prompt", "2"], monkeypatch))
-    ours.pop("bench")
     assert ours.pop("oppo")["enable"] is False
     assert ours == theirs
 
@@ -78,7 +77,7 @@ def test_help_lists_every_oppo_option(help_text):
 def test_the_oppo_group_shows_at_most_eight_options_and_the_advanced_ones_one_sentence_each(help_text):
     """What a user meets first is the plan's knobs; the mechanism switches sit in a group of their own."""
     main = help_text[help_text.index("OPPO (pipeline overlap)") : help_text.index("OPPO advanced")]
-    advanced = help_text[help_text.index("OPPO advanced") : help_text.index("Benchmark workload")]
+    advanced = help_text[help_text.index("OPPO advanced") :]
     assert len(re.findall(r"\n  --oppo\.", main)) <= 8
     for entry in re.split(r"\n  (?=--)", advanced)[1:]:
         flag, sentence = entry.split()[0], " ".join(entry.split()).split(" Default: ")[0]
@@ -86,7 +85,7 @@ def test_the_oppo_group_shows_at_most_eight_options_and_the_advanced_ones_one_se
 
 
 def _option_help(help_text):
-    """Each --oppo.* / --bench.* option's entry in the help (flag, value and sentence), whitespace folded."""
+    """Each --oppo.* option's entry in the help (flag, value and sentence), whitespace folded."""
     ours = help_text[help_text.index("OPPO (pipeline overlap)") :]
     entries = re.split(r"\n  (?=--)", ours)[1:]
     return {entry.split()[0]: " ".join(entry.split()) for entry in entries}
@@ -96,19 +95,24 @@ def test_help_shows_every_default_and_what_each_option_takes(help_text):
     from openrlhf_oppo.config import ALL_OPTIONS
 
     entries = _option_help(help_text)
-    assert set(entries) == {"--oppo.enable"} | {f"--oppo.{n}" for n in ALL_OPTIONS} | {
-        "--bench.lengths_from_label",
-        "--bench.seed_prompt_order",
-    }
+    assert set(entries) == {"--oppo.enable"} | {f"--oppo.{n}" for n in ALL_OPTIONS}
     for flag, entry in entries.items():
         assert "Default: " in entry, entry
-        assert "OPPO." not in entry and "BENCH." not in entry, f"{flag}: give it a metavar"
+        assert "OPPO." not in entry, f"{flag}: give it a metavar"
     assert entries["--oppo.chunk_size"].startswith("--oppo.chunk_size N|auto ")
     assert entries["--oppo.overcommit"].startswith("--oppo.overcommit N|auto ")
     assert "Default: 4," in entries["--oppo.cache_budget_gb"]
     assert entries["--oppo.intra_step"].startswith("--oppo.intra_step {auto,on,off} ")
     assert entries["--oppo.intra_step"].endswith("Default: auto.")
     assert entries["--oppo.enable"].endswith("Default: off.")
+
+
+def test_help_lists_no_benchmark_flags(help_text, capsys):
+    """The benchmark's workload flags are its driver's (``bench.driver``), not the user CLI's."""
+    assert "--bench." not in help_text and "Benchmark" not in help_text
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--bench.lengths_from_label"])
+    assert "unrecognized arguments: --bench.lengths_from_label" in capsys.readouterr().err
 
 
 def test_help_quotes_no_benchmark_results(help_text):
@@ -289,9 +293,11 @@ def test_bad_values_are_refused_by_the_parser_in_one_line(flag, value, capsys):
 ORDER = """
 import json, sys
 from openrlhf.utils import get_strategy
-from openrlhf_oppo.cli.train_ppo_ray import parse_args
+from openrlhf_oppo.bench import driver
 def order(*flags):
-    loader = get_strategy(parse_args(sys.argv[1:] + list(flags))).setup_dataloader(list(range(64)), 1, True, True, None)
+    args = driver.parse_args(sys.argv[1:] + list(flags))
+    driver.install(args.bench)  # as the benchmark's driver does before the run
+    loader = get_strategy(args).setup_dataloader(list(range(64)), 1, True, True, None)
     return [int(i) for i in loader]
 # Upstream's first: --bench.seed_prompt_order swaps the strategy for the rest of the process.
 print(json.dumps([order(), order(), order("--bench.seed_prompt_order", "--train.seed", "3"),

@@ -1,7 +1,8 @@
 """What the README and docs/ show works: every command in their code blocks names a module or file that exists
 and parses with the real parsers (``train_ppo_ray``'s with OPPO's checks; the benchmark's, then every run it would
-start), every option of the CLI has a help sentence and a place in the docs, every ``--oppo.*`` / ``--bench.*``
-flag they name is an option, the files and code they point to exist, and their links resolve.
+start), every option of the CLI and of the benchmark's driver has a help sentence and a place in the docs, every
+``--oppo.*`` / ``--bench.*`` flag they name is an option, the files and code they point to exist, and their links
+resolve.
 
 Nothing here reads the prose itself: the pages may be rewritten freely as long as what they show still works.
 docs/RESULTS.md quotes the commands of past runs as they ran (flags may have changed since): only its links are
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import bench_runs
 import pytest
-from openrlhf.utils import deepspeed
 
+from openrlhf_oppo.bench import driver
 from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,9 +111,8 @@ def test_every_command_names_what_exists(where, argv):
 
 
 @pytest.mark.parametrize("where, argv", CLI_COMMANDS, ids=[where for where, _ in CLI_COMMANDS])
-def test_every_train_ppo_ray_command_parses(where, argv, cli_help, monkeypatch):
+def test_every_train_ppo_ray_command_parses(where, argv, cli_help):
     """A complete command passes upstream's parser and OPPO's checks; a synopsis's flags are the CLI's."""
-    monkeypatch.setattr(deepspeed, "DeepspeedStrategy", deepspeed.DeepspeedStrategy)  # --bench.seed_prompt_order
     flags = _python_module(argv)[1]
     if _is_synopsis(argv):
         unknown = [flag for flag in flags if flag.startswith("--") and flag.split("=")[0] not in _options(cli_help)]
@@ -153,7 +153,11 @@ def _options(cli_help: str) -> dict:
 
 
 def _oppo_options(cli_help: str) -> dict:
-    return {flag: entry for flag, entry in _options(cli_help).items() if flag.startswith(("--oppo.", "--bench."))}
+    """The CLI's ``--oppo.*`` options and the benchmark driver's ``--bench.*`` ones, each with its help entry."""
+    options = {flag: entry for flag, entry in _options(cli_help).items() if flag.startswith("--oppo.")}
+    return options | {
+        flag: entry for flag, entry in _options(driver.help_text()).items() if flag.startswith("--bench.")
+    }
 
 
 def _flags_named(text: str) -> set:

