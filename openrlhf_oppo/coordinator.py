@@ -76,6 +76,8 @@ class StreamCoordinator:
         beside_vllm: the roles whose ranks sit on the engines' GPUs (``--oppo.frozen_scorers_on generation``):
             training does not hold their chunks.
         scored_by_engines: the roles the engines score themselves (``--oppo.policy_logprobs vllm``: the policy).
+        every_model: role -> group of every model of the run, streamed or not (None where a role has no
+            group): each reports its memory by phase (``resources``). Default: ``groups``.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class StreamCoordinator:
         timeout_s: float = 900.0,
         beside_vllm: Sequence[str] = (),
         scored_by_engines: Sequence[str] = (),
+        every_model: Optional[Dict[str, object]] = None,
     ):
         unknown = set(groups) - set(ROLES)
         if unknown:
@@ -93,6 +96,12 @@ class StreamCoordinator:
         self.groups = dict(groups)
         # RayActorGroup exposes no accessor for its actors: this is the one place that reads them.
         self.models = {role: list(group._actor_handlers) for role, group in self.groups.items()}  # noqa: SLF001
+        # Every model's ranks, streamed or not: each reports its memory (``resources``).
+        self.every_model = {
+            role: list(group._actor_handlers)  # noqa: SLF001
+            for role, group in (every_model if every_model is not None else groups).items()
+            if group is not None
+        }
         self.scored_by_engines = tuple(role for role in scored_by_engines if role in self.groups)
         # Where each role's scores live: its model's ranks, or the engines.
         self.scorers = {
@@ -277,7 +286,7 @@ class StreamCoordinator:
     def resources(self) -> Dict[str, List[ResourceReading]]:
         """The memory each rollout actor (``rollout``) and each model's rank (by role) holds, and the CPU time
         it has used."""
-        return self._ask_each("oppo_resources", "reading memory and CPU time", self.models, engines=True)
+        return self._ask_each("oppo_resources", "reading memory and CPU time", self.every_model, engines=True)
 
     def drain_traces(self) -> list:
         answers = self._ask_each("oppo_drain_trace", "collecting traces", self._scoring_actors(), engines=True)

@@ -86,6 +86,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             timeout_s=oppo.call_timeout_s,
             beside_vllm=FROZEN_ROLES if oppo.frozen_scorers_on == "generation" else (),
             scored_by_engines=("policy",) if oppo.policy_logprobs == "vllm" else (),
+            every_model=groups,
         )
         self.samples_generator = self._make_samples_generator(strategy, vllm_engines)
         if oppo.streamed_roles:

@@ -144,3 +144,17 @@ def test_a_call_that_raises_is_named_with_its_error(ray_session):
     ):
         coordinator.stats()
     ray.kill(broken)
+
+
+def test_every_model_reports_its_memory_streamed_or_not(ray_session, checkpoints, ppo_args):
+    """A run that streams to no model (the hybrid engine, where the scorers' caches do not fit) still reads each
+    model's memory by phase every step: the coordinator asks every model, not only the streamed ones."""
+    from openrlhf.utils import get_strategy
+
+    scorer = ACTOR_CLASSES["reward"].remote(1, 0, None, None)
+    ray.get(scorer.init_model_from_pretrained.remote(get_strategy(ppo_args), checkpoints["reward"]))
+    coordinator = StreamCoordinator([], {}, every_model={"reward": _Group([scorer]), "critic": None})
+    assert coordinator.roles == ()
+    (reading,) = coordinator.resources()["reward"]
+    assert reading.host_bytes > 0 and reading.phase_peaks == {}  # no CUDA here: no phase recorded
+    ray.kill(scorer)
