@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 
+from openrlhf_oppo import topology
 from openrlhf_oppo.streaming.chunking import CANDIDATES as CHUNK_CANDIDATES
 
 # The policy reaches the engines in buckets of this many MB; patches/openrlhf/0007's --vllm.sync_bucket_mb
@@ -526,15 +527,8 @@ def resolve_roles(args) -> None:
     oppo = args.oppo
     roles = []
     if streams(args):
-        # The policy's GPUs are idle during generation unless the engines live on them.
-        if not args.train.colocate_all:
-            roles.append("policy")
-        if args.algo.advantage.estimator == "gae":
-            roles.append("critic")
-        if not args.reward.remote_url and not args.train.agent_func_path:
-            roles.append("reward")
-        if args.algo.kl.init_coef > 0:
-            roles.append("reference")
+        # Every model of the run; the policy's GPUs are idle during generation unless the engines live on them.
+        roles = [role for role in topology.models(args) if role != "policy" or not args.train.colocate_all]
     oppo.streamed_roles = roles
     if oppo.frozen_scorers_on == "auto":
         oppo.frozen_scorers_on = "generation" if _frozen_beside_vllm_applies(args) else "models"

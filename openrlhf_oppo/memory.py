@@ -30,6 +30,9 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Dict, Optional, Tuple
 
+from openrlhf_oppo import topology
+from openrlhf_oppo.topology import FROZEN, LOG_PROBS
+
 GIB = 2**30
 
 # Per process on a GPU: the CUDA context, NCCL's and cuBLAS's buffers, the allocator's small-block pools.
@@ -131,18 +134,15 @@ def _shape_of(config_json: str) -> Optional[ModelShape]:
 
 def shapes_from_args(args) -> Optional[Dict[str, ModelShape]]:
     """Every model's shape, by role, or None if one cannot be read."""
-    paths = {"policy": args.actor.model_name_or_path, "reference": args.actor.model_name_or_path}
-    if args.critic.model_name_or_path:
-        paths["critic"] = args.critic.model_name_or_path
-    if not args.reward.remote_url and args.reward.model_name_or_path:
-        paths["reward"] = args.reward.model_name_or_path
+    paths = {role: path for role, path in topology.checkpoints(args).items() if path}
     shapes = {role: model_shape(path) for role, path in paths.items()}
     return None if any(shape is None for shape in shapes.values()) else shapes
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The memory-relevant choices of a run, which the planner may change."""
+    """The memory-relevant choices of a run, which the planner may change (``Plan.layout``: a run's, as its plan
+    resolved them)."""
 
     vllm_awake: bool  # the engines keep their share through training (no --vllm.enable_sleep)
     ds_sleep: bool  # --ds.enable_sleep: the policy's and critic's DeepSpeed states leave the GPU between fits
@@ -153,27 +153,6 @@ class Layout:
     frozen_beside_vllm: bool = False  # reward and reference on the engines' GPUs (--oppo.frozen_scorers_on)
     colocated_decode: bool = False  # engines decode during training under colocate_all (awake through it)
     staged_weights: bool = False  # each engine GPU receives the new weights into a copy (--oppo.weight_sync)
-
-    @classmethod
-    def from_args(cls, args) -> "Layout":
-        """The layout of the run's plan (``plan.resolve``), under the OpenRLHF flags it applied."""
-        from openrlhf_oppo.plan import resolve
-
-        plan = resolve(args)
-        awake = not args.vllm.enable_sleep
-        streamed = plan.streamed_roles
-        return cls(
-            vllm_awake=awake,
-            ds_sleep=args.ds.enable_sleep,
-            state_moves=plan.state_moves if plan.enabled else "serial",
-            vllm_share=args.vllm.gpu_memory_utilization,
-            streamed_roles=streamed,
-            cache_budget_gb=plan.cache_budget_gb if streamed else 0.0,
-            frozen_beside_vllm=bool(getattr(args.train, "frozen_models_with_vllm", False))
-            or plan.frozen_scorers_on == "generation",
-            colocated_decode=plan.enabled and args.train.colocate_all and awake and plan.colocated_decode != "pause",
-            staged_weights=plan.staged_sync,
-        )
 
     def upstream(self) -> "Layout":
         """The same run without OPPO's parts: what OpenRLHF's synchronous trainer holds with these flags."""
@@ -233,10 +212,7 @@ def _option(args, name: str):
     return ALL_OPTIONS[name][1] if value is None else value
 
 
-ROLE_RANKS = {"policy": "actor", "critic": "critic", "reward": "reward", "reference": "ref"}
 TRAINABLE = ("critic", "policy")  # upstream's order of the fits under --ds.enable_sleep
-FROZEN = ("reward", "reference")
-LOG_PROBS = ("policy", "reference")  # the roles whose forward computes logits over the vocabulary
 # Which flag shrinks each kind of part (by the end of its name), for the refusal's line; None: no flag does.
 FLAGS = {
     "vLLM share": "--vllm.gpu_memory_utilization",
@@ -253,64 +229,6 @@ FLAGS = {
 }
 
 
-@dataclass(frozen=True)
-class _Group:
-    """GPUs that hold the same processes (one rank of each role per GPU)."""
-
-    label: str
-    gpus: int
-    roles: tuple
-
-
-def _present_roles(args) -> tuple:
-    roles = ["policy"]
-    if args.critic.model_name_or_path:
-        roles.append("critic")
-    if not args.reward.remote_url and args.reward.model_name_or_path:
-        roles.append("reward")
-    if args.algo.kl.init_coef > 0:
-        roles.append("reference")
-    return tuple(roles)
-
-
-def _ranks(args, role: str) -> int:
-    if role == "vllm":
-        return (args.vllm.num_engines or 0) * args.vllm.tensor_parallel_size
-    group = getattr(args, ROLE_RANKS[role])
-    return group.num_nodes * group.num_gpus_per_node
-
-
-def _placement(args, layout: Layout) -> list:
-    """The GPU groups in the order upstream's ``train`` (or ``placement.train``) asks Ray for them."""
-    roles = _present_roles(args)
-    engines = ("vllm",) if _ranks(args, "vllm") else ()
-    oppo = getattr(args, "oppo", None)
-    models_together = args.train.colocate_all or bool(oppo is not None and oppo.colocate_models)
-    if args.train.colocate_all and not args.train.async_enable:
-        return [_Group("shared", _ranks(args, "policy"), engines + roles)]
-    if models_together:
-        beside = tuple(r for r in roles if r in FROZEN) if layout.frozen_beside_vllm else ()
-        models = tuple(r for r in roles if r not in beside)
-        groups = [_Group("models", _ranks(args, "policy"), models)]
-        return groups + ([_Group("vLLM", _ranks(args, "vllm"), engines + beside)] if engines else [])
-    groups = []
-    actor_ref = args.train.colocate_actor_ref
-    if actor_ref:
-        groups.append(_Group("policy+reference", _ranks(args, "policy"), tuple(r for r in roles if r in LOG_PROBS)))
-    if engines:
-        groups.append(_Group("vLLM", _ranks(args, "vllm"), engines))
-    critic_reward = args.train.colocate_critic_reward and "critic" in roles
-    for role in roles:
-        if actor_ref and role in LOG_PROBS or critic_reward and role in ("critic", "reward"):
-            continue
-        groups.append(_Group(role, _ranks(args, role), (role,)))
-    if critic_reward:
-        groups.append(
-            _Group("critic+reward", _ranks(args, "critic"), tuple(r for r in roles if r in ("critic", "reward")))
-        )
-    return groups
-
-
 class _Sizes:
     """Per-role byte counts for one run (one rank on one GPU)."""
 
@@ -325,10 +243,10 @@ class _Sizes:
 
     def shard(self, role: str, stage_from: int) -> int:
         """How many ways ZeRO splits what it partitions from ``stage_from`` on: the group's world size."""
-        return _ranks(self.args, role) if self.zero >= stage_from else 1
+        return topology.ranks(self.args, role) if self.zero >= stage_from else 1
 
     def weights(self, role: str) -> float:
-        offload = role in FROZEN and getattr(self.args, ROLE_RANKS[role]).offload
+        offload = role in FROZEN and getattr(self.args, topology.FLAG_GROUP[role]).offload
         return 0.0 if offload else 2 * self.params(role) / self.shard(role, 3)
 
     def states(self, role: str) -> float:
@@ -409,10 +327,12 @@ def _experience_waves(args, roles: tuple, streamed: tuple) -> Tuple[list, set]:
     return waves, set(running)
 
 
-def _gpu_phases(sizes: _Sizes, layout: Layout, group: _Group, index: int, gpu_gib: float) -> Dict[str, list]:
+def _gpu_phases(
+    sizes: _Sizes, layout: Layout, group: topology.GPUGroup, index: int, gpu_gib: float
+) -> Dict[str, list]:
     """Each phase's parts (name, bytes) on one GPU of ``group``."""
     args = sizes.args
-    here = tuple(role for role in group.roles if _ranks(args, role) > index)
+    here = tuple(role for role in group.roles if topology.ranks(args, role) > index)
     models = tuple(role for role in here if role != "vllm")
     streamed = tuple(role for role in models if role in layout.streamed_roles)
     parts = {}
@@ -493,7 +413,7 @@ def estimate(args, layout: Layout, gpu_gib: float, shapes=None, longest: Optiona
         raise LookupError("a model's config.json cannot be read without the network: no memory estimate")
     sizes = _Sizes(args, shapes, longest or args.data.max_len)
     peaks = []
-    for group in _placement(args, layout):
+    for group in topology.of(args, layout.frozen_beside_vllm).groups:
         for index in range(group.gpus):
             phases = {
                 name: tuple(sorted(((part, b / GIB) for part, b in rows if b > 0), key=lambda row: -row[1]))

@@ -27,8 +27,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from openrlhf_oppo import config
+from openrlhf_oppo import config, memory
 from openrlhf_oppo.config import OPPOConfigError
+from openrlhf_oppo.memory import Layout
 
 # A group of the split placement is carried about Delta / B steps: twice the batch in flight beyond it keeps the
 # engines busy through training and the sync, and no measured Delta beyond it was faster (docs/results).
@@ -105,6 +106,7 @@ class Plan:
     choices: Tuple[Choice, ...] = ()
     upstream_changes: Tuple[Change, ...] = ()
     memory: Optional["MemoryPlan"] = field(default=None, compare=False)  # where the GPU and the shapes are known
+    layout: Optional[Layout] = field(default=None, compare=False)  # what the memory estimate reads
 
     @property
     def inter_step(self) -> bool:
@@ -161,7 +163,9 @@ def _resolve(args) -> Plan:
     config.fill_defaults(oppo)
     config.check_placement(work)
     if not oppo.enable:
-        return Plan(colocate_models=oppo.colocate_models, colocate_all=work.train.colocate_all)
+        return Plan(
+            colocate_models=oppo.colocate_models, colocate_all=work.train.colocate_all, layout=_user_layout(work)
+        )
     if oppo.cache_budget_gb is None:
         oppo.cache_budget_gb = CACHE_BUDGET_GB
     choices, changes = [], []
@@ -170,14 +174,14 @@ def _resolve(args) -> Plan:
         _plan_colocated_memory(work, total, given, choices, changes)
     config.resolve_roles(work)
     # Before the mechanisms: those that follow from the streamed roles follow from the ones that fit.
-    memory = _fit_memory(work, args, given, total, choices)
+    memory_plan = _fit_memory(work, args, given, total, choices)
     _resolve_lag(work, given, choices)
     _resolve_mechanisms(work, given, choices)
     config.check_oppo(work, given)
     config.check_streaming_plan(work, given)
     config.check_overcommit_plan(work, given)
     config.resolve_stream_interval(oppo)
-    return _plan_from(work, choices, changes, memory)
+    return _plan_from(work, choices, changes, memory_plan)
 
 
 # -- the lag bound -------------------------------------------------------------------------------------------
@@ -300,10 +304,9 @@ def gpu_gib(oppo) -> Optional[float]:
         return None
 
 
-def _layout(work):
-    """What the memory plan needs of ``work``'s choices (its roles resolved on a copy where they are not yet)."""
-    from openrlhf_oppo import memory
-
+def _layout(work) -> memory.Layout:
+    """What the memory plan needs of ``work``'s choices (its roles resolved on a copy where they are not yet): the
+    one derivation of a run's memory layout, during the plan's choices and for the resolved plan."""
     oppo = work.oppo
     if not hasattr(oppo, "streamed_roles"):
         probe = copy.deepcopy(work)
@@ -328,7 +331,8 @@ def _stages_weights(work) -> bool:
     oppo = work.oppo
     inter_step = oppo.max_lag > 0 and oppo.overcommit != 0
     apart_awake = not work.train.colocate_all and not work.vllm.enable_sleep
-    return inter_step and apart_awake and oppo.weight_sync == "staged"
+    buckets = getattr(work.vllm, "sync_bucket_mb", config.SYNC_BUCKET_MB) > 0
+    return inter_step and apart_awake and buckets and oppo.weight_sync == "staged"
 
 
 @dataclass(frozen=True)
@@ -401,10 +405,10 @@ def _fit_memory(work, args, given, total, choices) -> Optional[MemoryPlan]:
         dropped.append(choice)
         estimate = _estimate(work, total)
     choices.extend(dropped)
-    memory = MemoryPlan(estimate, upstream, tuple(dropped), strict=work.oppo.strict_memory)
-    if memory.strict and not memory.fits:
-        raise OPPOConfigError(f"this run does not fit the GPU's {total:.1f} GiB: {memory.warning()}")
-    return memory
+    memory_plan = MemoryPlan(estimate, upstream, tuple(dropped), strict=work.oppo.strict_memory)
+    if memory_plan.strict and not memory_plan.fits:
+        raise OPPOConfigError(f"this run does not fit the GPU's {total:.1f} GiB: {memory_plan.warning()}")
+    return memory_plan
 
 
 def _drop_extras(work, given):
@@ -427,19 +431,21 @@ def _drop_extras(work, given):
             yield Choice("streaming", f"off for {role}", "its scorer's cache and prefill do not fit")
 
 
-def _upstream_estimate(args, total_gib):
+def _user_layout(args) -> memory.Layout:
     """OpenRLHF's own run with the user's flags, without OPPO's parts."""
-    if total_gib is None:
-        return None
-    from openrlhf_oppo import memory
-
-    layout = memory.Layout(
+    return memory.Layout(
         vllm_awake=not args.vllm.enable_sleep,
         ds_sleep=args.ds.enable_sleep,
         vllm_share=args.vllm.gpu_memory_utilization,
     )
+
+
+def _upstream_estimate(args, total_gib):
+    """OpenRLHF's own run with the user's flags, without OPPO's parts."""
+    if total_gib is None:
+        return None
     try:
-        return memory.estimate(args, layout, total_gib)
+        return memory.estimate(args, _user_layout(args), total_gib)
     except LookupError:
         return None
 
@@ -448,8 +454,6 @@ def _estimate(work, total_gib):
     """The memory plan's estimate of ``work``'s peak per GPU, or None where the models' shapes are unknown."""
     if total_gib is None:
         return None
-    from openrlhf_oppo import memory
-
     try:
         return memory.estimate(work, _layout(work), total_gib)
     except LookupError:  # a model's config cannot be read here (a hub name not in the cache)
@@ -516,8 +520,6 @@ def _set(work, changes, flag, given, planned) -> None:
 def _vllm_share_needed(work, total_gib: float) -> float:
     """The smallest vLLM share that holds the policy's weights, its activations and the KV cache of every request
     in flight at the longest length (B + Delta's bound), never above what the user gave."""
-    from openrlhf_oppo import memory
-
     shape = memory.model_shape(work.actor.model_name_or_path)
     given = work.vllm.gpu_memory_utilization
     if shape is None:
@@ -542,7 +544,7 @@ def _delta_max(batch: int, defer: int) -> int:
 # -- the plan object and its line ------------------------------------------------------------------------------
 
 
-def _plan_from(work, choices, changes, memory) -> Plan:
+def _plan_from(work, choices, changes, memory_plan) -> Plan:
     oppo = work.oppo
     return Plan(
         enabled=True,
@@ -583,7 +585,8 @@ def _plan_from(work, choices, changes, memory) -> Plan:
         sync_bucket_mb=getattr(work.vllm, "sync_bucket_mb", config.SYNC_BUCKET_MB),
         choices=tuple(choices),
         upstream_changes=tuple(changes),
-        memory=memory,
+        memory=memory_plan,
+        layout=_layout(work),
     )
 
 

@@ -37,6 +37,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from openrlhf_oppo import topology
 from openrlhf_oppo.config import OPPOConfigError
 
 # The file types upstream's blending_datasets loads as local files (openrlhf/datasets/utils.py).
@@ -584,11 +585,7 @@ def _check_model_config(flag: str, path: str, config_file: str) -> None:
 def _scorer_paths(args, roles) -> Dict[str, str]:
     """The checkpoint each streamed role scores with (upstream's defaults for the critic, the reference is the
     actor's)."""
-    actor = args.actor.model_name_or_path
-    reward = (args.reward.model_name_or_path or "").split(",")[0].strip() or None
-    remote = args.reward.remote_url or args.train.agent_func_path
-    critic = args.critic.model_name_or_path or (actor if remote else reward)
-    paths = dict(policy=actor, reference=actor, critic=critic, reward=reward)
+    paths = topology.checkpoints(args)
     return {role: paths[role] for role in roles if paths.get(role)}
 
 
@@ -644,36 +641,15 @@ def placement(args) -> List[Tuple[List[str], int]]:
     own, the reward and reference beside the engines under ``--oppo.frozen_scorers_on generation``.
     """
 
-    def gpus(group):
-        return getattr(args, group).num_nodes * getattr(args, group).num_gpus_per_node
+    frozen_beside_vllm = bool(getattr(args.train, "frozen_models_with_vllm", False))  # extension.configure's
+    return [
+        ([SHOWN.get(role, role) for role in group.roles], group.gpus)
+        for group in topology.of(args, frozen_beside_vllm).groups
+    ]
 
-    train = args.train
-    ref = args.algo.kl.init_coef > 0
-    critic = bool(args.critic.model_name_or_path) and args.algo.advantage.estimator == "gae"
-    reward = not (args.reward.remote_url or train.agent_func_path)
-    engines = (args.vllm.num_engines or 0) * args.vllm.tensor_parallel_size
-    frozen = ["ref"] * ref + ["reward"] * reward
-    if args.oppo.colocate_models:
-        beside_vllm = bool(
-            getattr(args.train, "frozen_models_with_vllm", False)
-        )  # extension.configure's, from the plan
-        groups = [(["actor"] + ["critic"] * critic + ([] if beside_vllm else frozen), gpus("actor"))]
-        return groups + [(["vLLM engines"] + (frozen if beside_vllm else []), engines)]
-    actor = ["actor"] + ["ref"] * (ref and (train.colocate_actor_ref or train.colocate_all))
-    groups = [(actor, gpus("actor"))]
-    if ref and "ref" not in actor:
-        groups.append((["ref"], gpus("ref")))
-    if engines and train.colocate_all and not train.async_enable:
-        actor.append("vLLM engines")
-    elif engines:
-        groups.append((["vLLM engines"], engines))
-    if critic and train.colocate_critic_reward:
-        groups.append((["critic"] + ["reward"] * reward, gpus("critic")))
-    elif train.colocate_all:
-        actor += ["critic"] * critic + ["reward"] * reward
-    else:
-        groups += [([name], gpus(name)) for name in ["critic"] * critic + ["reward"] * reward]
-    return groups
+
+# The models and engines by the names of their option groups, as the placement's line shows them.
+SHOWN = {"policy": "actor", "reference": "ref", topology.ENGINES: "vLLM engines"}
 
 
 def plural(count: float, what: str) -> str:

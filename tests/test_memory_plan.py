@@ -8,6 +8,7 @@ import pytest
 
 from openrlhf_oppo import memory, tiny
 from openrlhf_oppo.bench import memory_check, report
+from openrlhf_oppo.plan import describe, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = str(ROOT / "docs" / "results")
@@ -79,14 +80,14 @@ def test_a_7b_run_that_cannot_fit_one_gpu_is_refused_and_its_flag_helps():
     shape = memory.model_shape(tiny.qwen2_config("qwen2.5-7b"))
     shapes = dict(policy=shape, reference=shape, critic=shape, reward=shape)
     args = _args()
-    refused = memory.estimate(args, memory.Layout.from_args(args), 80.0, shapes=shapes)
+    refused = memory.estimate(args, resolve(args).layout, 80.0, shapes=shapes)
     assert not refused.fits
     assert refused.flag == "--ds.enable_sleep" and "--ds.enable_sleep" in refused.line()
-    asleep = memory.Layout.from_args(_args("--ds.enable_sleep"))
+    asleep = resolve(_args("--ds.enable_sleep")).layout
     assert memory.estimate(args, asleep, 80.0, shapes=shapes).worst.peak_gib < refused.worst.peak_gib
 
     oppo = _args("--ds.enable_sleep", "--oppo.enable", "--oppo.intra_step", "on")
-    layout = memory.Layout.from_args(oppo)
+    layout = resolve(oppo).layout
     assert set(layout.streamed_roles) == {"critic", "reward", "reference"}
     with_scorers = memory.estimate(oppo, layout, 141.0, shapes=shapes)
     without = memory.estimate(oppo, layout.upstream(), 141.0, shapes=shapes)
@@ -120,8 +121,6 @@ def test_oppo_resolves_wherever_openrlhf_ran():
     """Every stored run where OpenRLHF sync ran its steps, given --oppo.enable on its own card's memory: the plan
     resolves (OPPO's additions are dropped where they do not fit, never the run), and its line shows OpenRLHF's
     own estimate beside OPPO's."""
-    from openrlhf_oppo.plan import describe, resolve
-
     resolved = []
     for run, system, results, result in _upstream_runs():
         flags = result["flags"] + ["--oppo.enable", "--oppo.gpu_memory_gb", f"{memory_check.gpu_gib(results):.1f}"]

@@ -123,18 +123,19 @@ def test_a_data_file_is_read_through_or_its_first_rows(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "extra, groups",
     [
-        ([], [["actor"], ["ref"], ["vLLM engines"], ["critic"], ["reward"]]),
+        ([], [["vLLM engines"], ["actor"], ["ref"], ["critic"], ["reward"]]),
         (["--train.colocate_actor_ref", "--train.colocate_critic_reward"],
          [["actor", "ref"], ["vLLM engines"], ["critic", "reward"]]),
-        (["--train.colocate_all"], [["actor", "ref", "vLLM engines", "critic", "reward"]]),
-        (["--oppo.colocate_models"], [["actor", "critic", "ref", "reward"], ["vLLM engines"]]),
+        (["--train.colocate_all"], [["vLLM engines", "actor", "critic", "reward", "ref"]]),
+        (["--oppo.colocate_models"], [["actor", "critic", "reward", "ref"], ["vLLM engines"]]),
         (["--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2", "--reward.remote_url",
-          "http://rm", "--algo.kl.init_coef", "0"], [["actor"], ["vLLM engines"]]),
+          "http://rm", "--algo.kl.init_coef", "0"], [["vLLM engines"], ["actor"]]),
     ],
     ids=["apart", "actor-ref-critic-reward", "colocate-all", "colocate-models", "actor-and-engines-only"],
 )  # fmt: skip
 def test_the_placement_lists_the_groups_upstream_places(extra, groups, checkpoints, good_root):
-    """As upstream's ``train`` (0.11.2) builds them: which models share GPUs (one GPU a model here)."""
+    """As upstream's ``train`` (0.11.2) asks Ray for them, in that order (the engines before the models unless the
+    actor's group is colocated): which models share GPUs (one GPU a model here)."""
     placement = preflight.placement(_good_run(checkpoints, good_root, *extra))
     assert [names for names, _ in placement] == groups
     assert all(count == 1 for _, count in placement)
@@ -175,7 +176,7 @@ def test_the_cli_refuses_a_bad_dataset_and_missing_gpus_in_one_line(checkpoints,
     ] + [flag for role in ("actor", "critic", "reward", "ref") for flag in (f"--{role}.num_gpus_per_node", "1")]  # fmt: skip
     for fix, expected in (
         (None, f"--data.prompt_dataset {prompts} has no 'input' in its first row (--data.input_key"),
-        ({"input": "1+1="}, "The placement needs 5 GPUs (actor: 1; ref: 1; vLLM engines: 1; critic: 1; reward: 1) "
+        ({"input": "1+1="}, "The placement needs 5 GPUs (vLLM engines: 1; actor: 1; ref: 1; critic: 1; reward: 1) "
                             f"and this machine has {torch.cuda.device_count()}: lower the"),
     ):  # fmt: skip
         if fix:
@@ -227,7 +228,7 @@ def _cluster_run(cluster, checkpoints, tmp_path, *flags):
 @pytest.mark.parametrize(
     "gpus, expected",
     [
-        (4, "The placement needs 4 GPUs (actor + ref + vLLM engines + critic + reward: 4) and the Ray cluster has 2"),
+        (4, "The placement needs 4 GPUs (vLLM engines + actor + critic + reward + ref: 4) and the Ray cluster has 2"),
         (2, "Ray could not place a group of 2 GPUs within 5 s: 1 of the cluster's 2 GPUs are free."),
     ],
 )

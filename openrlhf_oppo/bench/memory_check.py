@@ -21,6 +21,7 @@ from typing import Optional
 
 from openrlhf_oppo import memory, tiny
 from openrlhf_oppo.bench import report
+from openrlhf_oppo.plan import resolve
 
 TOLERANCE = 0.15
 # The benchmark's GPUs, as NVML counts them (MiB).
@@ -94,7 +95,8 @@ def run_estimate(results: dict, result: dict) -> memory.Estimate:
     shapes = dict(policy=shape, reference=shape, critic=shape, reward=shape)
     longest = results["settings"]["prompt_tokens"] + results["workload"]["max_length"]
     args = _args(result["flags"] + _plan_flags(result["flags"], gpu_gib(results)), results["settings"]["shape"])
-    return memory.estimate(args, memory.Layout.from_args(args), gpu_gib(results), shapes=shapes, longest=longest)
+    layout = resolve(args).layout
+    return memory.estimate(args, layout, gpu_gib(results), shapes=shapes, longest=longest)
 
 
 def _plan_flags(flags: list, gpu_gib: float) -> list:
