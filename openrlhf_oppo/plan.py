@@ -413,7 +413,7 @@ def _fit_memory(work, args, given, total, choices) -> Optional[MemoryPlan]:
 
 def _drop_extras(work, given):
     """OPPO's additions to a step's memory, taken back one at a time, cheapest loss first; each yields the
-    ``Choice`` that says what went and why. What the user gave stays. Vlm awake beside the models is no addition
+    ``Choice`` that says what went and why. What the user gave stays. vLLM awake beside the models is no addition
     here: ``_plan_colocated_memory`` takes it only where it fits."""
     oppo = work.oppo
     if "cache_budget_gb" not in given:
@@ -423,8 +423,9 @@ def _drop_extras(work, given):
     if _stages_weights(work) and "weight_sync" not in given:
         oppo.weight_sync = "paused"
         yield Choice("weight_sync", "paused", "no room for a staging copy of the weights beside vLLM")
-    if oppo.intra_step == "on" or set(config.STREAMING_ONLY) & set(given):
-        return  # streaming was asked for
+    asked = "intra_step" in given and oppo.intra_step == "on"  # not the plan's own "on" for sleeping engines
+    if asked or set(config.STREAMING_ONLY) & set(given):
+        return  # the user asked for streaming, or tuned it
     for role in STREAM_DROP_ORDER:
         if role in oppo.streamed_roles:
             oppo.streamed_roles = [r for r in oppo.streamed_roles if r != role]
