@@ -340,8 +340,8 @@ class MemoryPlan:
     """The memory plan's verdict: OPPO's estimate of each GPU's peak with what the plan kept, OpenRLHF's own with
     the user's flags, and what was dropped to fit (``Choice``s, also in ``Plan.choices``)."""
 
-    estimate: object  # memory.Estimate
-    upstream: object  # memory.Estimate of OpenRLHF's own run with the user's flags
+    estimate: memory.Estimate
+    upstream: memory.Estimate  # OpenRLHF's own run with the user's flags
     dropped: Tuple[Choice, ...] = ()
     strict: bool = False
 
@@ -442,7 +442,7 @@ def _user_layout(args) -> memory.Layout:
 
 
 def _upstream_estimate(args, total_gib):
-    """OpenRLHF's own run with the user's flags, without OPPO's parts."""
+    """The estimate of OpenRLHF's own run with the user's flags, or None where the GPU or a shape is unknown."""
     if total_gib is None:
         return None
     try:
