@@ -85,8 +85,8 @@ def predict_systems(
             out[name] = Prediction(name, refused=str(error))
             continue
         kind, setup, plan = runs_.system_of(args), runs_.setup_of(args, prompt_tokens), runs_.plan_of(args)
-        if plan.delta_auto:
-            plan = replace(plan, delta=settled_delta(costs, setup, plan, lengths), delta_auto=False)
+        if plan.overcommit.auto and plan.overcommit.rule == "throughput":
+            plan = simulate.with_delta(plan, settled_delta(costs, setup, plan, lengths))
         steps = simulate_system(kind, costs, setup, plan, lengths, warmup + measured)[warmup:]
         if not steps:
             out[name] = Prediction(name, kind=kind, refused="the workload's prompts run out before the measured steps")
@@ -101,8 +101,8 @@ def _lag_bound(kind: str, plan) -> int:
     """The most weight updates between a trained group's dispatch and its training: async's next batch starts
     one version behind; OPPO's carried groups are waited for once carried ``max_defer_steps`` times, a step
     later where they started before training (``--oppo.top_up step_end``)."""
-    if kind == "oppo" and plan.delta:
-        return plan.max_defer_steps + plan.top_up_at_end
+    if kind == "oppo" and plan.overcommit.initial:
+        return plan.max_defer_steps + (plan.top_up == "step_end")
     return 1 if kind == "async" else 0
 
 
@@ -119,14 +119,14 @@ def settled_delta(costs: Costs, setup, plan, lengths: List[int], steps: int = 12
         longer += more
 
     def waits(delta: int) -> bool:
-        sim = simulate.OPPOSim(costs, setup, replace(plan, delta=delta, delta_auto=False), longer)
+        sim = simulate.OPPOSim(costs, setup, simulate.with_delta(plan, delta), longer)
         for _ in range(steps):
             if sim.step() is None:
                 break
         verdicts = sim.controller.verdicts  # the rule's own verdict of each step of its window
         return verdicts.count("waited") * 2 > len(verdicts)
 
-    low, high = plan.delta_min, max(plan.delta_min, plan.delta_max)
+    low, high = plan.overcommit.minimum, max(plan.overcommit.minimum, plan.overcommit.maximum)
     if waits(high):
         return high
     while low < high:
@@ -145,8 +145,9 @@ def _plan(kind: str, args, plan) -> str:
 
     text = describe(resolve(args)).removeprefix("OPPO on: ")
     if resolve(args).overcommit.auto:
-        at_bound = " (its bound, --oppo.overcommit_max)" if plan.delta == plan.delta_max else ""
-        text += f"; the throughput rule holds Delta at {plan.delta}{at_bound}"
+        delta = plan.overcommit
+        at_bound = " (its bound, --oppo.overcommit_max)" if delta.initial == delta.maximum else ""
+        text += f"; the throughput rule holds Delta at {delta.initial}{at_bound}"
     return text
 
 

@@ -12,7 +12,8 @@ from typing import List, Optional
 
 from openrlhf_oppo import tiny
 from openrlhf_oppo.bench import report
-from openrlhf_oppo.predict.simulate import Plan, Setup
+from openrlhf_oppo.plan import Plan
+from openrlhf_oppo.predict.simulate import Setup
 
 SHAPE_IN_NAME = re.compile(r"(?<![\d.])(0\.5|1\.5|3|7)b", re.IGNORECASE)
 
@@ -101,32 +102,10 @@ def setup_of(args, prompt_tokens: int) -> Setup:
 
 
 def plan_of(args) -> Plan:
+    """The run's own plan (``plan.resolve``): the simulation reads it as the trainer does."""
     from openrlhf_oppo.plan import resolve
 
-    run_plan = resolve(args)
-    if not run_plan.enabled:
-        return Plan()
-    streamed = run_plan.streamed_roles
-    on_engines = ()
-    if run_plan.frozen_scorers_on == "generation":
-        on_engines = tuple(r for r in streamed if r in ("reward", "reference"))
-    if run_plan.policy_logprobs == "vllm" and "policy" in streamed:
-        on_engines += ("policy",)
-    delta = run_plan.overcommit
-    return Plan(
-        streamed=streamed,
-        on_engines=on_engines,
-        delta=delta.initial,
-        delta_auto=delta.auto and delta.rule == "throughput",
-        delta_min=delta.minimum,
-        delta_max=delta.maximum,
-        top_up_at_end=run_plan.top_up == "step_end",
-        critic_catch_up=run_plan.critic_catch_up,
-        colocated_decode=run_plan.colocated_decode,
-        max_defer_steps=run_plan.max_defer_steps,
-        keep_kv=run_plan.carry_kv == "keep",
-        staged_sync=run_plan.weight_sync == "staged",
-    )
+    return resolve(args)
 
 
 def workload_lengths(results: dict) -> Optional[List[int]]:

@@ -21,10 +21,12 @@ GPU in turns, each at ``1 / (sum of their busy shares)`` of its speed.
 import heapq
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional
 
 from openrlhf_oppo.overcommit.controller import ThroughputController
+from openrlhf_oppo.plan import OFF, Plan
+from openrlhf_oppo.protocol import FROZEN_ROLES
 
 # The share of training after which the critic's fit ends (the two train side by side, or the critic first under
 # the hybrid engine): an assumption, as the logs time the two only together.
@@ -68,22 +70,21 @@ class Setup:
     trained: tuple = ("policy", "critic")
 
 
-@dataclass
-class Plan:
-    """OPPO's resolved plan (``plan.Plan``), as far as the step's timing goes."""
+def engine_scored_roles(plan: Plan) -> tuple:
+    """The streamed roles scored on the engines' GPUs: the frozen models beside vLLM, and the policy whose
+    log-probs vLLM computes (``--oppo.policy_logprobs vllm``)."""
+    streamed = plan.streamed_roles
+    on_engines = ()
+    if plan.frozen_scorers_on == "generation":
+        on_engines = tuple(r for r in streamed if r in FROZEN_ROLES)
+    if plan.policy_logprobs == "vllm" and "policy" in streamed:
+        on_engines += ("policy",)
+    return on_engines
 
-    streamed: tuple = ()  # roles whose chunks are prefilled while the engines decode
-    on_engines: tuple = ()  # of those, the ones on the engines' GPUs (frozen models; the policy from vLLM)
-    delta: int = 0  # groups in flight beyond the batch; 0: no inter-step overlap
-    delta_auto: bool = False
-    delta_min: int = 0
-    delta_max: int = 0
-    top_up_at_end: bool = False
-    critic_catch_up: str = "next_step"
-    colocated_decode: str = "pause"  # engines awake on the models' GPUs: pause, during_training, continue
-    max_defer_steps: int = 2
-    keep_kv: bool = False
-    staged_sync: bool = True
+
+def with_delta(plan: Plan, delta: int) -> Plan:
+    """The plan with Delta fixed at ``delta`` (no controller)."""
+    return replace(plan, overcommit=replace(plan.overcommit, initial=delta, auto=False))
 
 
 class Engine:
@@ -200,8 +201,9 @@ class Queue:
 class Cluster:
     """The engines with their requests, the models' GPUs and the scorers' queues, on one clock."""
 
-    def __init__(self, costs: Costs, setup: Setup, plan: Optional[Plan] = None):
-        self.costs, self.setup, self.plan = costs, setup, plan or Plan()
+    def __init__(self, costs: Costs, setup: Setup, plan: Plan = OFF):
+        self.costs, self.setup, self.plan = costs, setup, plan
+        self.on_engines = engine_scored_roles(plan)
         self.now = 0.0
         self.engines = [Engine() for _ in range(setup.engines)]
         self.rate = 1.0  # decoding's speed: 1 alone on its GPUs, 0 paused or asleep
@@ -217,17 +219,17 @@ class Cluster:
     # -- where the scorers' work goes ----------------------------------------------------------------
 
     def queue_of(self, role: str) -> Queue:
-        return self.beside_engines if role in self.plan.on_engines else self.models
+        return self.beside_engines if role in self.on_engines else self.models
 
     def streams_tokens(self, role: str) -> bool:
         """Whether ``role``'s scorer gets each request's tokens as they come (the policy scored by vLLM gets
         whole sequences)."""
-        return role in self.released and not (role == "policy" and role in self.plan.on_engines)
+        return role in self.released and not (role == "policy" and role in self.on_engines)
 
     def send(self, request: Request, role: str) -> None:
         """Hand ``role``'s scorer what it lacks of ``request``: all of it where its cache is stale."""
         whole = self.setup.prompt_tokens + request.decoded
-        if role == "policy" and role in self.plan.on_engines and not request.done:
+        if role == "policy" and role in self.on_engines and not request.done:
             return  # vLLM scores a sequence's prompt log-probs once it is whole
         has = whole if self.streams_tokens(role) else request.sent.get(role, 0.0)
         tokens = whole if request.stale.get(role) else whole - has
@@ -260,7 +262,7 @@ class Cluster:
         group.left = len(group.requests)
         for request in group.requests:
             engine.add(request)
-            for role in self.plan.streamed:
+            for role in self.plan.streamed_roles:
                 request.sent[role] = 0.0
                 if self.streams_tokens(role):
                     self.queue_of(role).work += self.setup.prompt_tokens * self.costs.forward_s
@@ -310,7 +312,7 @@ class Cluster:
 
     def advance(self, dt: float, speed: float) -> None:
         decoding = speed > 0 and any(e.running for e in self.engines)
-        streaming = [r for r in self.plan.streamed if self.streams_tokens(r)]
+        streaming = [r for r in self.plan.streamed_roles if self.streams_tokens(r)]
         for e in self.engines:
             if not e.running or speed <= 0:
                 continue
@@ -339,7 +341,7 @@ class Cluster:
                     self.groups_done += 1
                     if self.on_group_done:
                         self.on_group_done(request.group)
-                if "policy" in self.plan.on_engines and "policy" in self.released:
+                if "policy" in self.on_engines and "policy" in self.released:
                     self.send(request, "policy")
         return any_done
 
@@ -511,9 +513,13 @@ class OPPOSim:
         self.done = 0  # of those, done
         self.overdue = set()  # running groups carried max_defer_steps times: the step waits for them
         self.controller = ThroughputController(
-            initial=plan.delta, auto=plan.delta_auto, batch=setup.batch, minimum=plan.delta_min, maximum=plan.delta_max
+            initial=plan.overcommit.initial,
+            auto=plan.overcommit.auto and plan.overcommit.rule == "throughput",
+            batch=setup.batch,
+            minimum=plan.overcommit.minimum,
+            maximum=plan.overcommit.maximum,
         )
-        self.on_models = [r for r in plan.streamed if r not in plan.on_engines]
+        self.on_models = [r for r in plan.streamed_roles if r not in self.cluster.on_engines]
         # What the engines do beside each phase of the models' GPUs.
         if not setup.colocated:
             self.beside_experience = self.beside_training = self.beside_rest = "apart"
@@ -580,13 +586,13 @@ class OPPOSim:
         live = self.requests()
         if setup.vllm_sleep:
             cluster.recompute(live)  # the engines' sleep dropped the carried requests' KV
-        for role in plan.streamed:
-            if role == "policy" and role in plan.on_engines:
+        for role in plan.streamed_roles:
+            if role == "policy" and role in cluster.on_engines:
                 cluster.released.add(role)  # vLLM scores each sequence once it is whole
             elif not (role == "critic" and plan.critic_catch_up == "next_batch"):
                 cluster.release(role, live)
         done_at_start, delta = self.done, self.controller.delta
-        if not plan.top_up_at_end or not self.groups:
+        if not (plan.top_up == "step_end") or not self.groups:
             self.top_up(setup.batch + delta)
         if len(self.groups) < setup.batch:
             return None  # the prompts ran out
@@ -610,17 +616,17 @@ class OPPOSim:
         # out); each streamed model returns its scores in one call; upstream's forward for the others. The
         # roles on the models' GPUs hold the carried requests' tokens until those GPUs are free again.
         make_start = cluster.now
-        for role in plan.streamed:
+        for role in plan.streamed_roles:
             for request in self.requests(taken):
                 cluster.send(request, role)
         for role in self.on_models:
             cluster.hold(role, self.requests())
-        if plan.top_up_at_end:
+        if plan.top_up == "step_end":
             self.top_up(setup.batch + self.controller.delta)
         cluster.rate = 0.0 if self.beside_experience == "paused" else 1.0
         cluster.capacities()
         cluster.run(max(cluster.models.drain_s(), cluster.beside_engines.drain_s()))
-        unstreamed = [r for r in setup.roles if r not in plan.streamed]
+        unstreamed = [r for r in setup.roles if r not in plan.streamed_roles]
         collect = costs.call_s * (len(setup.roles) - len(unstreamed))
         cluster.busy(
             collect + experience_s(costs, setup, taken, unstreamed), self.beside_experience, costs.decode_busy
@@ -628,7 +634,7 @@ class OPPOSim:
         make = cluster.now - make_start
 
         train_start, train = cluster.now, train_s(costs, setup, taken)
-        if "critic" in setup.trained and "critic" in plan.streamed and plan.critic_catch_up != "next_step":
+        if "critic" in setup.trained and "critic" in plan.streamed_roles and plan.critic_catch_up != "next_step":
             fit = CRITIC_FIT_SHARE * train
             cluster.busy(fit, self.beside_training, costs.train_busy)
             cluster.new_weights("critic", self.requests())
@@ -643,19 +649,19 @@ class OPPOSim:
             cluster.new_weights("critic", self.requests())
         train = cluster.now - train_start
 
-        if plan.staged_sync and not setup.colocated:
+        if plan.weight_sync == "staged" and not setup.colocated:
             cluster.busy(costs.sync_s / 2, "apart")
             cluster.busy(costs.sync_s / 2, "paused")  # the engines pause only to load the staged weights
         else:
             cluster.busy(costs.sync_s, "paused")
         cluster.new_weights("policy", self.requests())
-        if not plan.keep_kv and not setup.vllm_sleep:
+        if not (plan.carry_kv == "keep") and not setup.vllm_sleep:
             cluster.recompute(self.requests())
-        if "policy" in plan.on_engines:
+        if "policy" in self.cluster.on_engines:
             for request in self.requests(self.announce()):
                 cluster.send(request, "policy")
         cluster.idle(costs.other_s, rate=0.0 if self.beside_rest == "paused" else 1.0)
-        lag = sum(g.deferrals for g in taken) / len(taken) + plan.top_up_at_end
+        lag = sum(g.deferrals for g in taken) / len(taken) + (plan.top_up == "step_end")
         return cluster.step_since(
             before,
             generation_s=generation,
