@@ -2,7 +2,7 @@
 
 import random
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from openrlhf_oppo import config
