@@ -179,8 +179,8 @@ class GPUPeak:
         """What one role's process holds on this GPU in a phase (its parts, without its CUDA context): what the
         process's caching allocator reserves there. A trained role's ``training`` is its own fit's phase where the
         fits run one after the other."""
-        rows = self.phases.get(f"training ({role})", self.phases["training"]) if phase == "training" else None
-        rows = rows if rows is not None else self.phases[phase]
+        own_fit = f"training ({role})"
+        rows = self.phases[own_fit if phase == "training" and own_fit in self.phases else phase]
         return sum(gib for name, gib in rows if name.startswith(f"{role} "))
 
 

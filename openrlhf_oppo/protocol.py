@@ -140,7 +140,7 @@ class ResourceReading:
 
     @classmethod
     def of_this_process(cls, phase_peaks: Optional[Dict[str, Tuple[int, int]]] = None) -> "ResourceReading":
-        cuda = _cuda_in_use()
+        cuda = cuda_in_use()
         return cls(
             gpu_allocated_bytes=torch.cuda.memory_allocated() if cuda else 0,
             gpu_reserved_bytes=torch.cuda.memory_reserved() if cuda else 0,
@@ -151,7 +151,8 @@ class ResourceReading:
         )
 
 
-def _cuda_in_use() -> bool:
+def cuda_in_use() -> bool:
+    """This process has a CUDA context (an actor that never touched the GPU reads no CUDA memory)."""
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 

@@ -38,10 +38,6 @@ class Topology:
     def gpus(self) -> int:
         return sum(group.gpus for group in self.groups)
 
-    def gpus_of(self, role: str) -> int:
-        """The GPUs a model (or the engines) runs on: one rank on each."""
-        return sum(group.gpus for group in self.groups if role in group.roles)
-
 
 def models(args) -> Tuple[str, ...]:
     """The models upstream's ``train`` creates: the critic for GAE only, a reward model unless the reward comes

@@ -37,7 +37,7 @@ from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 from openrlhf.trainer.ray.ppo_critic import CriticModelActor
 
 from openrlhf_oppo.plan import OFF, Plan
-from openrlhf_oppo.protocol import Chunk, ResourceReading, ScorerSettings, ScorerStats
+from openrlhf_oppo.protocol import Chunk, ResourceReading, ScorerSettings, ScorerStats, cuda_in_use
 from openrlhf_oppo.streaming.scorer import ChunkScorer, unwrap_model
 from openrlhf_oppo.streaming.zero3 import InferenceCopy, is_partitioned
 from openrlhf_oppo.trace import Tracer, profiled
@@ -74,7 +74,7 @@ class PhasePeaks:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        cuda = cuda_in_use()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
@@ -204,7 +204,7 @@ class StreamingScorerMixin:
         self.oppo_finished.clear()
         self.oppo_discarded.clear()
         gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if cuda_in_use():
             torch.cuda.empty_cache()
         role = f"{self.oppo_role} rank {_rank()}"
         sequences, tokens = len({chunk.uid for chunk in chunks}), sum(len(chunk.tokens) for chunk in chunks)
