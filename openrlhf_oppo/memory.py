@@ -177,10 +177,10 @@ class GPUPeak:
 
     def role_gib(self, role: str, phase: str) -> float:
         """What one role's process holds on this GPU in a phase (its parts, without its CUDA context): what the
-        process's caching allocator reserves there. A trained role's ``training`` is its own fit's phase where the
-        fits run one after the other."""
-        own_fit = f"training ({role})"
-        rows = self.phases[own_fit if phase == "training" and own_fit in self.phases else phase]
+        process's caching allocator reserves there. Where a phase runs the roles one after the other (the fits
+        under --ds.enable_sleep, the forwards upstream waits for), a role's is its own part of it."""
+        own = f"{phase} ({role})"
+        rows = self.phases.get(own) or self.phases.get(phase, ())
         return sum(gib for name, gib in rows if name.startswith(f"{role} "))
 
 
@@ -260,6 +260,13 @@ class _Sizes:
         """The fp32 gradient partition the optimizer step builds and leaves cached (on the host with CPU Adam)."""
         return 0.0 if self.adam_offload else 4 * self.params(role) / self.shard(role, 2)
 
+    def sync_buffer(self) -> float:
+        """The policy's copy of what it sends to the engines at once: a bucket (``--vllm.sync_bucket_mb``, where
+        patches/openrlhf is applied) or one tensor, the largest being the embeddings."""
+        shape = self.shapes["policy"]
+        bucket = getattr(self.args.vllm, "sync_bucket_mb", 0) * 2**20
+        return max(bucket, 2 * shape.vocab_size * shape.hidden_size)
+
     def gathered(self, role: str) -> float:
         """ZeRO-3 gathers a few layers' weights around the one it computes."""
         return 4 * 2 * self.params(role) / self.shapes[role].num_layers if self.zero == 3 else 0.0
@@ -301,8 +308,8 @@ class _Sizes:
 
 
 def _experience_waves(args, roles: tuple, streamed: tuple) -> Tuple[list, set]:
-    """The sets of roles whose forward passes (or their cached memory) are on the GPUs together during
-    make_experience, in upstream's dispatch order, and the roles whose cache is never emptied afterwards.
+    """The roles whose forward passes (or their cached memory) are on the GPUs together during make_experience,
+    each wave in upstream's dispatch order, and the roles whose cache is never emptied afterwards.
 
     Upstream waits for a forward and empties its cache where the placement colocates it (``_dispatch_forward``);
     under ``colocate_critic_reward`` the critic's dispatch first waits for the reward's. A streamed role's scores
@@ -321,7 +328,7 @@ def _experience_waves(args, roles: tuple, streamed: tuple) -> Tuple[list, set]:
         if role == "critic" and train.colocate_critic_reward and "reward" in running:
             running.remove("reward")
         running.append(role)
-        waves.append(set(running))
+        waves.append(tuple(running))  # the role dispatched last, last
         if waits[role]:
             running.remove(role)
     return waves, set(running)
@@ -342,10 +349,9 @@ def _gpu_phases(
         rows = [("CUDA contexts", len(models) * PROCESS_GIB * GIB)] if models else []
         for role in models:
             rows.append((f"{role} weights", sizes.weights(role)))
-            if role in TRAINABLE:
+            if role in trainables_on:  # --ds.enable_sleep moves the fp32 gradients with the states
+                rows.append((f"{role} states", sizes.states(role)))
                 rows.append((f"{role} fp32 grads", sizes.fp32_grads(role)))
-                if role in trainables_on:
-                    rows.append((f"{role} states", sizes.states(role)))
             if role in streamed:
                 rows.append((f"{role} scorer cache", layout.cache_budget_gb * GIB))
         return rows
@@ -375,11 +381,11 @@ def _gpu_phases(
     waves, kept = _experience_waves(args, models, streamed)
     awake_after_generation = layout.vllm_awake or layout.colocated_decode
     experience = engine(awake_after_generation) + base(between) + prefill(streamed)
-    parts["make_experience"] = experience + max(
-        ([(f"{role} forward", sizes.forward(role)) for role in wave] for wave in waves),
-        key=lambda rows: sum(gib for _, gib in rows),
-        default=[],
-    )
+    # Each forward that upstream waits for is a phase of its own, named by its role as the fits are: what each
+    # role's process holds is then its own forward's phase, whichever forward is the GPU's largest.
+    for wave in waves or [()]:
+        name = f"make_experience ({wave[-1]})" if len(waves) > 1 else "make_experience"
+        parts[name] = experience + [(f"{role} forward", sizes.forward(role)) for role in wave]
 
     trainables = tuple(role for role in TRAINABLE if role in models)
     kept_rows = [(f"{role} forward", sizes.forward(role)) for role in kept] + prefill(frozen_streamed)
@@ -399,7 +405,8 @@ def _gpu_phases(
     if not fits:
         parts["training"] = engine(awake_after_generation) + base(()) + kept_rows
 
-    parts["weight sync"] = engine(layout.vllm_awake, weights_only=True) + base(between) + kept_rows
+    sending = [("policy sync buffer", sizes.sync_buffer())] if "policy" in models else []
+    parts["weight sync"] = engine(layout.vllm_awake, weights_only=True) + base(between) + kept_rows + sending
     return parts
 
 

@@ -245,7 +245,10 @@ def for_card(calibration: dict, card: str) -> dict:
     source = max(cards, key=lambda c: len(cards[c]["sync_runs"]))
     base = cards[source] if source == card else _scaled(cards[source], source, card)
     own = cards.get(card, dict(shapes={}, intercepts={}, sync_runs=[]))
-    shapes = dict(base["shapes"], **own["shapes"])
+    # A shape of its own with fewer runs than a slope needs keeps the other card's scaled slopes, not an
+    # extrapolation from another shape.
+    enough = {s: f for s, f in own["shapes"].items() if f.get("runs", 0) >= calibration.get("min_runs", 2)}
+    shapes = dict(base["shapes"], **enough)
     intercepts = {}
     for placement in set(base["intercepts"]) | set(own["intercepts"]):
         mine, theirs = own["intercepts"].get(placement), base["intercepts"].get(placement)
@@ -260,11 +263,18 @@ def for_card(calibration: dict, card: str) -> dict:
             f"{b['memory_tbs']:g} TB/s) and by bf16 compute for the rest ({a['bf16_tflops']:g} vs "
             f"{b['bf16_tflops']:g} TFLOPS)"
         )
-        mine = ", ".join(sorted(own["shapes"]))
-        notes.append(
-            f"{a['name']}: "
-            + (f"{mine} from its own runs, the rest from {scaled}" if mine else f"no runs of its own, {scaled}")
-        )
+        mine = ", ".join(sorted(enough))
+        runs = len(own["sync_runs"])
+        if mine:
+            note = f"{mine} from its own runs, the rest from {scaled}"
+        elif runs:
+            note = (
+                f"{runs} run{'s' * (runs != 1)} of its own, too few for a shape's slopes (the fixed costs of its "
+                f"placement come from {'them' if runs != 1 else 'it'}), the slopes from {scaled}"
+            )
+        else:
+            note = f"no runs of its own, {scaled}"
+        notes.append(f"{a['name']}: {note}")
     return dict(calibration, card=card, shapes=shapes, intercepts=intercepts, sync_runs=own["sync_runs"], notes=notes)
 
 
