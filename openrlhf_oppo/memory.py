@@ -83,8 +83,13 @@ class ModelShape:
 
     @property
     def forward_bytes_per_token(self) -> int:
-        """A decoder layer's intermediates per token in a forward pass without gradients (bf16)."""
-        return 2 * (4 * self.hidden_size + 3 * self.intermediate_size)
+        """A decoder layer's intermediates per token in a forward pass without gradients: attention's and the MLP's
+        (bf16), the residual stream in and out (bf16), and the RMSNorm's float32 copies of the hidden state."""
+        return (
+            2 * (4 * self.hidden_size + 3 * self.intermediate_size)
+            + 2 * 2 * self.hidden_size
+            + 2 * 4 * self.hidden_size
+        )
 
 
 def model_shape(source) -> Optional[ModelShape]:

@@ -32,6 +32,14 @@ def test_estimates_are_within_tolerance_on_the_stored_runs(rows):
     assert colocated_upstream and all(abs(row.error) <= memory_check.TOLERANCE for row in colocated_upstream)
 
 
+def test_each_roles_estimate_is_within_tolerance_of_what_its_allocator_reserved():
+    """The actors' peaks by phase (``oppo/memory/<role>_<phase>_peak_gb``) against the estimate's parts of that
+    role and phase: the training, forward and weight-sync terms, each checked where it is measured alone."""
+    role_rows = memory_check.role_rows(RESULTS)
+    assert {row.phase for row in role_rows} >= {"make_experience", "training", "weight_sync"}
+    assert all(abs(row.error) <= memory_check.TOLERANCE for row in role_rows), memory_check.role_table(role_rows)
+
+
 def test_runs_that_ran_out_of_memory_are_refused_naming_a_flag():
     refused = memory_check.refusals(RESULTS)
     assert len(refused) >= 4
