@@ -449,3 +449,46 @@ def test_delta_is_the_batch_split_and_an_eighth_of_it_colocated():
     assert (split.overcommit, colocated.overcommit, given.overcommit) == (32, 4, 32)
     flags = learning.run_flags("W", "OUT", "n", "oppo-both-awake", 0, colocated)
     assert flags[flags.index("--oppo.overcommit") + 1] == "4"
+
+
+def test_the_warm_up_stops_where_pass_at_samples_leaves_room_above_the_sampled_accuracy():
+    """With a headroom the greedy accuracy does not decide: the sampled accuracy must be low and pass@samples that
+    much above it."""
+    point = dict(accuracy=0.9, sampled_accuracy=0.10, pass_at_samples=0.40)
+    assert warmup.stop_here(point, 0.3) and not warmup.stop_here(dict(point, accuracy=0.2), 0.3)
+    assert not warmup.stop_here(point, 0.2, headroom=0.35)  # 30 points of room: train on
+    assert warmup.stop_here(dict(point, pass_at_samples=0.46), 0.2, headroom=0.35)
+    assert not warmup.stop_here(dict(sampled_accuracy=0.25, pass_at_samples=0.9), 0.2, headroom=0.35)  # too high
+
+
+def test_runs_side_by_side_share_a_warm_up_made_before(tmp_path):
+    """``--warmup_from``: the folder's summary as it is, refused for other sums or no warm-up at all; its weights'
+    hash names the model every run started from."""
+    options = dict(digits=dict(mean=1.5, high=2), batch=8, max_steps=2, eval_every=2, heldout=8, dtype="float32")
+    made = warmup.warm_up(str(tmp_path), "tiny", 0.9, headroom=0.35, **options)
+    assert made["settings"]["headroom"] == 0.35 and set(made["history"][0]) >= {"sampled_accuracy", "pass_at_samples"}
+    assert warmup.made_before(str(tmp_path), "tiny", dict(mean=1.5, high=2)) == made
+    with pytest.raises(ValueError, match="was made for"):
+        warmup.made_before(str(tmp_path), "tiny", dict(mean=2, high=2))
+    with pytest.raises(FileNotFoundError, match="no warm-up"):
+        warmup.made_before(str(tmp_path / "none"), "tiny", {})
+    digest = warmup.checkpoint_sha256(str(tmp_path))
+    assert len(digest) == 64 and digest == warmup.checkpoint_sha256(str(tmp_path))
+
+
+def test_runs_sharing_one_gpu_move_no_memory_and_take_a_small_share(bench_workdir):
+    """``--sleep off``: no system sleeps (upstream sync and the flag swap alike); ``--vllm_share`` and
+    ``--train_micro_batch`` reach every system's flags."""
+    from openrlhf_oppo.bench.driver import parse_args
+
+    argv = ["--task", "addition", "--out", "/o", "--gpus", "1", "--placement", "colocated"]
+    shared = learning.parse(argv + ["--sleep", "off", "--vllm_share", "0.08", "--train_micro_batch", "16"])
+    for system in ("upstream-sync", "oppo", "oppo-keep"):
+        args = parse_args(learning.run_flags(bench_workdir, "/o", f"{system}-seed0", system, 0, shared))
+        assert args.train.colocate_all and not args.vllm.enable_sleep and not args.ds.enable_sleep
+        assert args.vllm.gpu_memory_utilization == 0.08
+        assert (args.train.micro_batch_size, args.train.batch_size) == (16, 64)
+    hybrid = parse_args(learning.run_flags(bench_workdir, "/o", "u", "upstream-sync", 0, learning.parse(argv)))
+    assert hybrid.vllm.enable_sleep and hybrid.ds.enable_sleep and hybrid.vllm.gpu_memory_utilization == 0.45
+    with pytest.raises(SystemExit):
+        learning.parse(argv + ["--train_micro_batch", "24"])  # does not divide a policy update's 64 samples
