@@ -13,6 +13,7 @@ and the experience maker) are replaced by ``OPPOTrainer.__init__``, not here.
 | ppo_critic.CriticModelActor                | streaming.actors.StreamingCriticModelActor    | --oppo.enable |
 | ppo_actor.PolicyModelActor                 | streaming.actors.StreamingPolicyModelActor    | --oppo.enable |
 | ppo_trainer.PPOTrainer                     | trainer.OPPOTrainer             | --oppo.enable                     |
+| ppo_trainer.PPOTrainer                     | upstream_trainer.UpstreamPPOTrainer (upstream's, logging the trained lengths) | OPPO off |
 | train_ppo_ray.train (the placement)        | placement.train                 | --oppo.colocate_models (and --oppo.frozen_scorers_on) |
 | (in OPPOTrainer) SamplesGenerator          | samples.OPPOSamplesGenerator / overcommit.sampler.OvercommitSamplesGenerator | --oppo.enable |
 | (in OPPOTrainer) RemoteExperienceMaker     | experience.StreamingExperienceMaker | a role streams |
@@ -143,6 +144,13 @@ def install(enable: bool) -> None:
         rollout = RolloutConfig(sampling_params_hook=_sampling_params_hook)
         vllm_engine.RolloutRayActor = with_config(OPPORolloutRayActor, rollout)
     if not enable:
+        # The trained responses by length (lengths.py), logged with OPPO on and off alike: the one change to
+        # upstream's synchronous trainer, which trains as before.
+        from openrlhf.trainer import ppo_trainer
+
+        from openrlhf_oppo.upstream_trainer import UpstreamPPOTrainer
+
+        ppo_trainer.PPOTrainer = UpstreamPPOTrainer
         return
     for role, cls in _oppo_classes().items():
         module, name = _UPSTREAM_NAMES[role]
