@@ -92,17 +92,26 @@ def test_the_driver_hands_the_cli_every_flag_but_its_own_and_sets_up_the_workloa
     flags = common_flags(bench_workdir, f"{bench_workdir}/out", "oppo-both", "split", 2, 32, 1, 5, 4096, 64, 0, 2.0)
     flags += system_flags("oppo-both", "split", 16)
     workload, rest = driver.split(flags)
-    assert vars(workload) == dict(lengths_from_label=True, seed_prompt_order=True)
+    assert vars(workload) == dict(lengths_from_label=True, seed_prompt_order=True, kv_cache_gb=None)
     assert rest == [flag for flag in flags if not flag.startswith("--bench.")] and len(rest) == len(flags) - 2
-    assert vars(driver.split(rest)[0]) == dict(lengths_from_label=False, seed_prompt_order=False)
+    assert vars(driver.split(rest)[0]) == dict(lengths_from_label=False, seed_prompt_order=False, kv_cache_gb=None)
+    # A valued option leaves with its value; the engines' KV cache then has that size.
+    sized, same = driver.split(rest[:2] + ["--bench.kv_cache_gb", "1.5"] + rest[2:])
+    assert sized.kv_cache_gb == 1.5 and same == rest
+    monkeypatch.setattr(extension, "_engine_kwargs", {})
+    driver.install(sized)
+    assert extension._engine_kwargs == dict(kv_cache_memory_bytes=int(1.5 * 2**30))
     driver.install(workload)
     assert extension._sampling_params_hook is fixed_length_params
     assert deepspeed.DeepspeedStrategy.__name__ == "SeededOrderStrategy"
 
 
 def test_the_drivers_help_shows_its_own_flags_then_the_clis(monkeypatch, capsys):
+    from openrlhf.trainer import ppo_trainer
+
     from openrlhf_oppo.bench import driver
 
+    monkeypatch.setattr(ppo_trainer, "PPOTrainer", ppo_trainer.PPOTrainer)  # the CLI swaps upstream's trainer
     monkeypatch.setattr(sys, "argv", ["driver", "--help"])
     with pytest.raises(SystemExit):
         driver.main()

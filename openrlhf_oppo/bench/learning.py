@@ -124,6 +124,13 @@ def parse(argv=None):
         "GPU each take a small share",
     )
     parser.add_argument(
+        "--kv_cache_gb",
+        type=float,
+        default=None,
+        help="every vLLM engine's KV cache in GiB (the driver's --bench.kv_cache_gb), not sized from the memory free "
+        "as it starts: runs sharing one GPU start and free memory at any time",
+    )
+    parser.add_argument(
         "--train_micro_batch",
         type=int,
         default=None,
@@ -277,6 +284,7 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args, w
             "--actor.adam.lr", str(args.lr),
             "--actor.lr_scheduler", args.lr_scheduler,
         ]
+        + (["--bench.kv_cache_gb", str(args.kv_cache_gb)] if args.kv_cache_gb is not None else [])
         + first_token_flags(args.upstream_patches)
         + eval_flags(workdir, args.eval_every)
         + system_flags(system, args.placement, args.overcommit, ds_sleep=args.sleep == "on", vllm_sleep=args.sleep == "on")
