@@ -220,6 +220,8 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
     )
     path = os.path.join(args.out, "results.json")
     folders = report.machine_folders(args.out, args.scratch, workdir)
+    if args.warmup_from:
+        folders["WARMUP"] = args.warmup_from
     for seed in seeds:  # seed by seed, so that a run cut short has every system of its first seeds
         for system in tqdm(systems, desc=f"seed {seed}"):
             name = f"{system}-{'alone' if args.speed_alone else 'seed'}{seed}"

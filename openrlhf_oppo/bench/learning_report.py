@@ -198,7 +198,7 @@ def table(results: dict) -> str:
     ]
     base_minutes = _minutes_to_target(runs.get(BASELINE, {}), target)
     for system, seeds in runs.items():
-        attempted = [r for r in results["systems"].values() if r["system"] == system]
+        attempted = [r for r in results["systems"].values() if r["system"] == system and not r.get("alone")]
         if not seeds:
             codes = sorted({str(r.get("returncode")) for r in attempted})
             lines.append(f"| {system} | failed (rc {', '.join(codes)}) |" + " |" * 9)

@@ -59,6 +59,9 @@ PLOTS = (
     "accuracy-by-time.png",
     "signals-by-step.png",
     "accuracy-by-digits.png",
+    "reward-by-step.png",
+    "reward-by-time.png",
+    "lag-by-step.png",
 )
 
 

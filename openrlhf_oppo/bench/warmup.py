@@ -80,8 +80,8 @@ def warm_up(
         flush=True,
     )
 
-    started, history, step, done = time.time(), [], 0, False
-    while step < max_steps and not done:
+    started, history, step, done, past = time.time(), [], 0, False, False
+    while step < max_steps and not (done or past):
         model.train()
         for _ in range(eval_every):
             pairs = addition.problems(batch, (seed + 1) * TRAIN_SEED + step, **settings["digits"])
@@ -101,6 +101,8 @@ def warm_up(
             )
         history.append(dict(point, seconds=time.time() - started))
         done = stop_here(point, target, headroom)
+        # Past the sampled accuracy allowed, the room can only shrink: stop short of the rule rather than train on.
+        past = headroom is not None and point["sampled_accuracy"] > target
         print(
             f"[warm-up] step {step}: loss {loss.item():.3f}, held-out accuracy {accuracy:.1%}"
             f" ({_bands(bands)}{_sampled_line(point)}; {time.time() - started:.0f} s)",
@@ -142,7 +144,8 @@ def warm_up(
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=1)
     if not summary["reached_target"]:
-        print(f"[warm-up] stopped at {max_steps} steps short of its stopping rule", flush=True)
+        why = f"its sampled accuracy passed {target:.0%}" if past else f"{max_steps} steps"
+        print(f"[warm-up] stopped short of its stopping rule: {why}", flush=True)
     print(
         f"[warm-up] saved {actor_dir}: held-out accuracy {summary['accuracy']:.1%}; of {samples} samples per sum"
         f" {summary['sampled_accuracy']:.1%} right, a sum with one right sample {summary['pass_at_samples']:.1%}"
@@ -329,7 +332,8 @@ def main():
         "--headroom",
         type=float,
         default=None,
-        help="stop where pass@samples is at least this far above the sampled accuracy (and that at most --target)",
+        help="stop where pass@samples is at least this far above the sampled accuracy (and that at most --target); "
+        "stop short of it once the sampled accuracy passes --target",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--digits_mean", type=float, default=addition.DIGITS["mean"])
