@@ -95,10 +95,9 @@ def warm_up(
         right = greedy_right(model, tokenizer, tests, max_new_tokens, device)
         accuracy, bands = sum(right) / len(right), accuracy_by_digits(tests, right)
         point = dict(step=step, loss=loss.item(), accuracy=accuracy, accuracy_by_digits=bands)
-        if headroom is not None:
-            point.update(
-                sampled_summary(tests, sampled_right(model, tokenizer, tests, samples, max_new_tokens, device))
-            )
+        if headroom is not None:  # every held-out sum's samples in one batch: an evaluation at every check
+            sampled = sampled_right(model, tokenizer, tests, samples, max_new_tokens, device, heldout * samples)
+            point.update(sampled_summary(tests, sampled))
         history.append(dict(point, seconds=time.time() - started))
         done = stop_here(point, target, headroom)
         # Past the sampled accuracy allowed, the room can only shrink: stop short of the rule rather than train on.
