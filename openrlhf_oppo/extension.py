@@ -7,12 +7,13 @@ and the experience maker) are replaced by ``OPPOTrainer.__init__``, not here.
 
 | upstream                                   | replaced by                     | when                              |
 |--------------------------------------------|---------------------------------|-----------------------------------|
-| vllm_engine.RolloutRayActor                | streaming.rollout.OPPORolloutActor | --oppo.enable, or a sampling params hook |
+| vllm_engine.RolloutRayActor                | streaming.rollout.OPPORolloutActor | --oppo.enable, or a tool's hook or engine arguments |
 | launcher.RewardModelActor                  | streaming.actors.StreamingRewardModelActor    | --oppo.enable |
 | launcher.ReferenceModelActor               | streaming.actors.StreamingReferenceModelActor | --oppo.enable |
 | ppo_critic.CriticModelActor                | streaming.actors.StreamingCriticModelActor    | --oppo.enable |
 | ppo_actor.PolicyModelActor                 | streaming.actors.StreamingPolicyModelActor    | --oppo.enable |
 | ppo_trainer.PPOTrainer                     | trainer.OPPOTrainer             | --oppo.enable                     |
+| ppo_trainer.PPOTrainer                     | upstream_trainer.UpstreamPPOTrainer (upstream's, logging the trained lengths) | OPPO off |
 | train_ppo_ray.train (the placement)        | placement.train                 | --oppo.colocate_models (and --oppo.frozen_scorers_on) |
 | (in OPPOTrainer) SamplesGenerator          | samples.OPPOSamplesGenerator / overcommit.sampler.OvercommitSamplesGenerator | --oppo.enable |
 | (in OPPOTrainer) RemoteExperienceMaker     | experience.StreamingExperienceMaker | a role streams |
@@ -25,8 +26,8 @@ With ``patches/openrlhf`` applied, upstream's own ``train_ppo_ray`` loads this m
 upstream's ``COMPONENTS`` instead of swapping globals.
 
 Tools that run OPPO's CLI in a driver of their own change what the rollout actors sample through one extension
-point, ``set_sampling_params_hook``, called before the CLI starts; the runtime itself registers no hook and imports
-no tool. The benchmark's driver (``python -m openrlhf_oppo.bench.driver``) registers its fixed-length workload there,
+point, ``set_sampling_params_hook`` (and ``set_engine_kwargs`` for vLLM's own arguments), called before the CLI
+starts; the runtime itself registers no hook and imports no tool. The benchmark's driver (``python -m openrlhf_oppo.bench.driver``) registers its fixed-length workload there,
 and seeds upstream's prompt shuffle by swapping upstream's strategy class itself.
 """
 
@@ -39,6 +40,7 @@ add_arguments = config.add_arguments
 
 _configured = {}  # id(args) -> args: the wrapper and a patched upstream's extension hook both call configure
 _sampling_params_hook = None  # set_sampling_params_hook
+_engine_kwargs = {}  # set_engine_kwargs
 
 
 def set_sampling_params_hook(hook) -> None:
@@ -52,6 +54,29 @@ def set_sampling_params_hook(hook) -> None:
     """
     global _sampling_params_hook
     _sampling_params_hook = hook
+
+
+def set_engine_kwargs(**kwargs) -> None:
+    """Start every vLLM engine of the runs this process starts with ``kwargs`` over upstream's engine arguments:
+    ``kv_cache_memory_bytes``, say, a KV cache of that size instead of the one vLLM sizes from the GPU memory free
+    while it starts (which other processes on the GPU change). As with a sampling params hook, OPPO's rollout actor
+    then takes the place of upstream's even with OPPO off. No arguments: upstream's again. Call this before the CLI
+    starts."""
+    global _engine_kwargs
+    _engine_kwargs = dict(kwargs)
+
+
+def _tool_settings() -> bool:
+    """Whether a tool set what the rollout actors do (``set_sampling_params_hook``, ``set_engine_kwargs``)."""
+    return _sampling_params_hook is not None or bool(_engine_kwargs)
+
+
+def _rollout_config(stream_interval: int = 1):
+    from openrlhf_oppo.streaming.rollout import RolloutConfig
+
+    return RolloutConfig(
+        stream_interval=stream_interval, sampling_params_hook=_sampling_params_hook, engine_kwargs=_engine_kwargs
+    )
 
 
 def configure(args) -> None:
@@ -76,11 +101,11 @@ def configure(args) -> None:
         # train() places the models from these flags (patch 0002), the wrapper from placement.train.
         args.train.colocate_models = args.train.colocate_actor_ref = args.train.colocate_critic_reward = True
         args.train.frozen_models_with_vllm = run_plan.frozen_scorers_on == "generation"
-    if not (run_plan.enabled or _sampling_params_hook is not None):
+    if not (run_plan.enabled or _tool_settings()):
         return
-    from openrlhf_oppo.streaming.rollout import BoundActorClass, OPPORolloutRayActor, RolloutConfig, with_config
+    from openrlhf_oppo.streaming.rollout import BoundActorClass, OPPORolloutRayActor, with_config
 
-    rollout = RolloutConfig(stream_interval=run_plan.stream_interval, sampling_params_hook=_sampling_params_hook)
+    rollout = _rollout_config(run_plan.stream_interval)
     components = sys.modules["__main__"].__dict__.get("COMPONENTS")
     if components is None:
         # The unpatched driver: install() swapped the classes before the options were parsed. Bind the plan to
@@ -137,12 +162,18 @@ def _bind_swapped_classes(run_plan) -> None:
 def install(enable: bool) -> None:
     from openrlhf.trainer.ray import vllm_engine
 
-    from openrlhf_oppo.streaming.rollout import OPPORolloutRayActor, RolloutConfig, with_config
+    from openrlhf_oppo.streaming.rollout import OPPORolloutRayActor, with_config
 
-    if enable or _sampling_params_hook is not None:
-        rollout = RolloutConfig(sampling_params_hook=_sampling_params_hook)
-        vllm_engine.RolloutRayActor = with_config(OPPORolloutRayActor, rollout)
+    if enable or _tool_settings():
+        vllm_engine.RolloutRayActor = with_config(OPPORolloutRayActor, _rollout_config())
     if not enable:
+        # The trained responses by length (lengths.py), logged with OPPO on and off alike: the one change to
+        # upstream's synchronous trainer, which trains as before.
+        from openrlhf.trainer import ppo_trainer
+
+        from openrlhf_oppo.upstream_trainer import UpstreamPPOTrainer
+
+        ppo_trainer.PPOTrainer = UpstreamPPOTrainer
         return
     for role, cls in _oppo_classes().items():
         module, name = _UPSTREAM_NAMES[role]

@@ -20,6 +20,7 @@ from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_oppo.coordinator import StreamCoordinator, phase
 from openrlhf_oppo.experience import StreamingExperienceMaker
+from openrlhf_oppo.lengths import LengthStats
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
 from openrlhf_oppo.plan import describe
@@ -40,7 +41,7 @@ def wait_for_awake_colocated_engines(args, vllm_engines) -> None:
         ray.get([engine.__ray_ready__.remote() for engine in vllm_engines])
 
 
-class OPPOTrainer(PPOTrainer.__ray_actor_class__):
+class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
     def __init__(
         self,
         pretrain,

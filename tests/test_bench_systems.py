@@ -15,6 +15,7 @@ from openrlhf_oppo.bench.learning import LEARNING_SYSTEMS
 from openrlhf_oppo.bench.systems import (
     AWAKE,
     COLOCATED_ONLY,
+    FLAG_SWAP,
     INTER_ONLY,
     KEEP_KV,
     SPLIT_ONLY,
@@ -38,15 +39,24 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, bench_work
             system_flags(system, placement, 16)
         return
     flags = common_flags(bench_workdir, f"{bench_workdir}/out", system, placement, gpus, 32, 1, 5, 4096, 64, 0, 2.0)
+    if system == "oppo-keep" and placement == "colocated":
+        # Kept KV needs vLLM awake: the hybrid engine's flags swapped, with no GPU to plan against, keep it asleep.
+        with pytest.raises(OPPOConfigError, match="--oppo.carry_kv keep needs the KV cache to survive"):
+            parse_args(flags + system_flags(system, placement, 16))
+        args = parse_args(flags + system_flags(system, placement, 16) + ["--oppo.gpu_memory_gb", "80"])
+        assert resolve(args).carry_kv == "keep" and not args.vllm.enable_sleep  # an 80 GB GPU: the plan wakes it
+        return
     args = parse_args(flags + system_flags(system, placement, 16))
     assert args.bench.lengths_from_label and args.bench.seed_prompt_order
     assert args.oppo.enable == system.startswith("oppo")
     assert args.train.async_enable == (system == "upstream-async")
     assert args.oppo.colocate_models == (placement == "split" and system != "upstream-async")
-    if system == "oppo":  # the flag swap: OpenRLHF's flags and --oppo.enable, the rest the plan's
+    if system in FLAG_SWAP:  # the flag swap: OpenRLHF's flags and --oppo.enable (and the user's carry_kv)
         assert [flag for flag in flags + system_flags(system, placement, 16) if flag.startswith("--oppo.")] == [
             "--oppo.enable"
-        ] + (["--oppo.colocate_models"] if placement == "split" else [])
+        ] + (["--oppo.colocate_models"] if placement == "split" else []) + (
+            ["--oppo.carry_kv"] if system == "oppo-keep" else []
+        )
     if system.startswith("oppo"):
         plan = resolve(args)
         assert plan.inter_step == (system != "oppo-intra")
@@ -54,7 +64,7 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, bench_work
         assert args.vllm.enable_sleep == (placement == "colocated" and system not in AWAKE)
         assert plan.colocated_decode == ("during_training" if system in AWAKE else "pause")
         # Under the hybrid engine, with no GPU to plan its memory against, the plan keeps vLLM asleep: no streaming.
-        hybrid_default = system == "oppo" and placement == "colocated"
+        hybrid_default = system in FLAG_SWAP and placement == "colocated"
         assert bool(plan.streamed_roles) == (system not in INTER_ONLY and not hybrid_default)
         # The frozen models go beside vLLM wherever they stream in the split placement.
         beside_vllm = placement == "split" and system not in ("oppo-inter", "oppo-both-frozen-with-models")
@@ -82,17 +92,26 @@ def test_the_driver_hands_the_cli_every_flag_but_its_own_and_sets_up_the_workloa
     flags = common_flags(bench_workdir, f"{bench_workdir}/out", "oppo-both", "split", 2, 32, 1, 5, 4096, 64, 0, 2.0)
     flags += system_flags("oppo-both", "split", 16)
     workload, rest = driver.split(flags)
-    assert vars(workload) == dict(lengths_from_label=True, seed_prompt_order=True)
+    assert vars(workload) == dict(lengths_from_label=True, seed_prompt_order=True, kv_cache_gb=None)
     assert rest == [flag for flag in flags if not flag.startswith("--bench.")] and len(rest) == len(flags) - 2
-    assert vars(driver.split(rest)[0]) == dict(lengths_from_label=False, seed_prompt_order=False)
+    assert vars(driver.split(rest)[0]) == dict(lengths_from_label=False, seed_prompt_order=False, kv_cache_gb=None)
+    # A valued option leaves with its value; the engines' KV cache then has that size.
+    sized, same = driver.split(rest[:2] + ["--bench.kv_cache_gb", "1.5"] + rest[2:])
+    assert sized.kv_cache_gb == 1.5 and same == rest
+    monkeypatch.setattr(extension, "_engine_kwargs", {})
+    driver.install(sized)
+    assert extension._engine_kwargs == dict(kv_cache_memory_bytes=int(1.5 * 2**30))
     driver.install(workload)
     assert extension._sampling_params_hook is fixed_length_params
     assert deepspeed.DeepspeedStrategy.__name__ == "SeededOrderStrategy"
 
 
 def test_the_drivers_help_shows_its_own_flags_then_the_clis(monkeypatch, capsys):
+    from openrlhf.trainer import ppo_trainer
+
     from openrlhf_oppo.bench import driver
 
+    monkeypatch.setattr(ppo_trainer, "PPOTrainer", ppo_trainer.PPOTrainer)  # the CLI swaps upstream's trainer
     monkeypatch.setattr(sys, "argv", ["driver", "--help"])
     with pytest.raises(SystemExit):
         driver.main()
@@ -210,9 +229,11 @@ def test_learning_benchmark_run_is_a_valid_command(placement, system, bench_work
     assert not args.actor.gradient_checkpointing_enable  # the small model: recomputing would only slow training
     assert args.actor.lr_scheduler == "constant_with_warmup"
     if system.startswith("oppo"):
-        # No reward model, no critic; colocated, the policy's log-probs wait for the step (streaming auto).
+        # No reward model, no critic; colocated, the policy's log-probs wait for the step (streaming auto). The flag
+        # swap of the hybrid engine, with no GPU to plan against, keeps vLLM asleep and streams nothing.
         plan = resolve(args)
-        assert plan.streamed_roles == (("policy", "reference") if placement == "split" else ("reference",))
+        streamed = ("policy", "reference") if placement == "split" else ("reference",)
+        assert plan.streamed_roles == (() if system in FLAG_SWAP and placement == "colocated" else streamed)
         assert plan.carry_kv == ("keep" if system in KEEP_KV else "recompute")
 
 

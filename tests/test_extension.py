@@ -37,18 +37,26 @@ def swapped(upstream_globals):
     return {name for name, (module, original) in upstream_globals.items() if getattr(module, name) is not original}
 
 
-def test_nothing_is_swapped_without_oppo(upstream_globals):
+def test_without_oppo_only_the_trainer_is_swapped_to_log_the_trained_lengths(upstream_globals):
+    """Upstream's trainer, with the trained responses by length added to its rollout stats (lengths.py) and
+    nothing else of its own."""
+    from openrlhf_oppo import extension
+    from openrlhf_oppo.lengths import LengthStats
+
+    extension.install(enable=False)
+    assert swapped(upstream_globals) == {"PPOTrainer"}
+    module, original = upstream_globals["PPOTrainer"]
+    replacement = module.PPOTrainer.__ray_actor_class__
+    assert replacement.__mro__[1:] == (LengthStats,) + original.__ray_actor_class__.__mro__
+    assert [name for name in vars(replacement) if not name.startswith("_")] == []  # no method of its own
+    assert replacement.__init__.__code__.co_names == ("super", "__init__")  # upstream's, called as it is
+
+
+def test_a_sampling_params_hook_swaps_the_rollout_actor(upstream_globals, sampling_params_hook):
     from openrlhf_oppo import extension
 
     extension.install(enable=False)
-    assert swapped(upstream_globals) == set()
-
-
-def test_a_sampling_params_hook_swaps_only_the_rollout_actor(upstream_globals, sampling_params_hook):
-    from openrlhf_oppo import extension
-
-    extension.install(enable=False)
-    assert swapped(upstream_globals) == {"RolloutRayActor"}
+    assert swapped(upstream_globals) == {"RolloutRayActor", "PPOTrainer"}
     rollout = upstream_globals["RolloutRayActor"][0].RolloutRayActor
     assert rollout.extra_kwargs["oppo_config"]["sampling_params_hook"] is sampling_params_hook
 

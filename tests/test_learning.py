@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from openrlhf_oppo import tiny
+from openrlhf_oppo import lengths, tiny
 from openrlhf_oppo.bench import addition, learning, learning_report, report, warmup
 
 
@@ -449,3 +449,116 @@ def test_delta_is_the_batch_split_and_an_eighth_of_it_colocated():
     assert (split.overcommit, colocated.overcommit, given.overcommit) == (32, 4, 32)
     flags = learning.run_flags("W", "OUT", "n", "oppo-both-awake", 0, colocated)
     assert flags[flags.index("--oppo.overcommit") + 1] == "4"
+
+
+def test_the_warm_up_stops_where_pass_at_samples_leaves_room_above_the_sampled_accuracy():
+    """With a headroom the greedy accuracy does not decide: the sampled accuracy must be low and pass@samples that
+    much above it."""
+    point = dict(accuracy=0.9, sampled_accuracy=0.10, pass_at_samples=0.40)
+    assert warmup.stop_here(point, 0.3) and not warmup.stop_here(dict(point, accuracy=0.2), 0.3)
+    assert not warmup.stop_here(point, 0.2, headroom=0.35)  # 30 points of room: train on
+    assert warmup.stop_here(dict(point, pass_at_samples=0.46), 0.2, headroom=0.35)
+    assert not warmup.stop_here(dict(sampled_accuracy=0.25, pass_at_samples=0.9), 0.2, headroom=0.35)  # too high
+
+
+def test_runs_side_by_side_share_a_warm_up_made_before(tmp_path):
+    """``--warmup_from``: the folder's summary as it is, refused for other sums or no warm-up at all; its weights'
+    hash names the model every run started from."""
+    options = dict(digits=dict(mean=1.5, high=2), batch=8, max_steps=2, eval_every=2, heldout=8, dtype="float32")
+    made = warmup.warm_up(str(tmp_path), "tiny", 0.9, headroom=0.35, **options)
+    assert made["settings"]["headroom"] == 0.35 and set(made["history"][0]) >= {"sampled_accuracy", "pass_at_samples"}
+    assert warmup.made_before(str(tmp_path), "tiny", dict(mean=1.5, high=2)) == made
+    with pytest.raises(ValueError, match="was made for"):
+        warmup.made_before(str(tmp_path), "tiny", dict(mean=2, high=2))
+    with pytest.raises(FileNotFoundError, match="no warm-up"):
+        warmup.made_before(str(tmp_path / "none"), "tiny", {})
+    digest = warmup.checkpoint_sha256(str(tmp_path))
+    assert len(digest) == 64 and digest == warmup.checkpoint_sha256(str(tmp_path))
+
+
+def test_runs_sharing_one_gpu_move_no_memory_and_take_a_small_share(bench_workdir):
+    """``--sleep off``: no system sleeps (upstream sync and the flag swap alike); ``--vllm_share`` and
+    ``--train_micro_batch`` reach every system's flags."""
+    from openrlhf_oppo.bench.driver import parse_args
+
+    argv = ["--task", "addition", "--out", "/o", "--gpus", "1", "--placement", "colocated"]
+    shared = learning.parse(argv + ["--sleep", "off", "--vllm_share", "0.08", "--train_micro_batch", "16"])
+    for system in ("upstream-sync", "oppo", "oppo-keep"):
+        args = parse_args(learning.run_flags(bench_workdir, "/o", f"{system}-seed0", system, 0, shared))
+        assert args.train.colocate_all and not args.vllm.enable_sleep and not args.ds.enable_sleep
+        assert args.vllm.gpu_memory_utilization == 0.08
+        assert (args.train.micro_batch_size, args.train.batch_size) == (16, 64)
+    hybrid = parse_args(learning.run_flags(bench_workdir, "/o", "u", "upstream-sync", 0, learning.parse(argv)))
+    assert hybrid.vllm.enable_sleep and hybrid.ds.enable_sleep and hybrid.vllm.gpu_memory_utilization == 0.45
+    with pytest.raises(SystemExit):
+        learning.parse(argv + ["--train_micro_batch", "24"])  # does not divide a policy update's 64 samples
+
+
+LEARNING_CPU = os.path.join(os.path.dirname(__file__), "data", "learning-cpu")
+
+
+def test_the_same_curve_report_comes_from_the_raw_results_of_runs_side_by_side(tmp_path):
+    """The raw results of learning runs made one (system, seed) a process from one warm-up, and of the step times
+    measured alone (``tests/learning_raw_helper.py`` made them on CPU), merged as docs/results keeps them: the
+    tables say what the raw steps give."""
+    for path in report.raw_files(LEARNING_CPU):  # published as they are: no folder of the machine that made them
+        assert "learning-raw-" not in json.dumps(report.load(path))
+    results = report.run_results(LEARNING_CPU)
+    runs = learning_report.runs_by_system(results)
+    assert {system: sorted(seeds) for system, seeds in runs.items()} == {"upstream-sync": [0, 1, 2], "oppo": [0, 1, 2]}
+    # One warm-up: every run, the step times alone included, started from the same weights.
+    assert len({r["warmup_sha256"] for r in results["systems"].values()}) == 1
+    alone = learning_report.alone_step_seconds(results)
+    for system in runs:
+        (steps,) = [r["steps"] for r in results["systems"].values() if r.get("alone") and r["system"] == system]
+        walls = [s["wall_s"] for s in steps[1:]]  # no evaluation runs alone
+        assert alone[system] == pytest.approx(sum(walls) / len(walls))
+
+    lines = report.table(results).splitlines()
+    header = next(line for line in lines if line.startswith("| system | seeds | rise (points) |"))
+    rows = _rows(lines, header)
+    base = runs["upstream-sync"]
+    final = sum(learning_report.tenths(steps)[1] for steps in base.values()) / 3
+    for system, seeds in runs.items():
+        first, last = zip(*(learning_report.tenths(steps) for steps in seeds.values()))
+        assert rows[system][1] == f"{(sum(last) - sum(first)) / 3 * 100:+.1f}"
+        assert rows[system][3] == f"{(sum(last) / 3 - final) * 100:+.1f}"
+        assert rows[system][4] == f"{alone[system]:.2f}"
+        # The first step at which the seeds' mean curve reaches sync's final accuracy, at the step time alone.
+        curves = [learning_report.accuracy(steps) for steps in seeds.values()]
+        mean = [sum(c[i] for c in curves) / 3 for i in range(min(map(len, curves)))]
+        step = next((i + 1 for i, value in enumerate(mean) if value >= final), None)
+        assert rows[system][5] == ("-" if step is None else str(step))
+        if step is not None:
+            assert rows[system][6] == f"{step * alone[system] / 60:.1f}"
+    in_band = learning_report.share_in_band(
+        [learning_report.accuracy(s) for s in runs["oppo"].values()],
+        [learning_report.accuracy(s) for s in base.values()],
+    )
+    assert rows["oppo"][2] == f"{in_band:.0%}" and rows["upstream-sync"][2] == "-"
+
+    # The policy lag: OPPO's only, from its steps.
+    rows = _rows(lines, next(line for line in lines if line.startswith("| system | lag, mean |")))
+    oppo = [s for steps in runs["oppo"].values() for s in steps]
+    assert list(rows) == ["oppo"]
+    assert rows["oppo"][0] == f"{sum(s['oppo/policy_lag_mean'] for s in oppo) / len(oppo):.2f}"
+    carrying = sum(s["oppo/carried_groups"] > 0 for s in oppo) / len(oppo)
+    assert rows["oppo"][2] == f"{carrying:.0%}"
+
+    # The trained responses by length, in both systems: each bucket's share and reward over every step.
+    rows = _rows(lines, next(line for line in lines if line.startswith("| system | mean length |")))
+    for system, seeds in runs.items():
+        steps = [s for per_seed in seeds.values() for s in per_seed]
+        mean_length = sum(s["rollout/response_length_mean"] for s in steps) / len(steps)
+        assert rows[system][0].endswith(f"; {mean_length:.0f}")
+        for (low, high), (share, mean_reward) in learning_report.reward_by_length(steps).items():
+            shares = [s[lengths.key("share", low, high)] for s in steps]
+            rewards = [s.get(lengths.key("reward", low, high), 0.0) for s in steps]
+            assert share == pytest.approx(sum(shares) / len(steps))
+            assert mean_reward == pytest.approx(sum(a * b for a, b in zip(shares, rewards)) / sum(shares))
+            assert f"{share:.0%}: {mean_reward:.2f}" in rows[system]
+
+    report.write(results, str(tmp_path))
+    for plot in ("accuracy-by-step.png", "accuracy-by-time.png", "reward-by-step.png", "reward-by-time.png"):
+        assert (tmp_path / plot).stat().st_size > 0
+    assert (tmp_path / "lag-by-step.png").stat().st_size > 0

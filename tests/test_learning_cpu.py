@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from openrlhf_oppo import lengths
 from openrlhf_oppo.bench import addition, learning, learning_report, warmup
 from openrlhf_oppo.bench.__main__ import header
 from openrlhf_oppo.testing.cpu_bench import CPURunner
@@ -62,6 +63,16 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
         assert all(s["share_digits_1_3"] == 1 and s["share_digits_4_6"] == 0 for s in steps)
         first_band = learning_report.band_accuracy(steps, addition.DIGIT_BANDS[0])
         assert first_band == pytest.approx(learning_report.accuracy(steps))
+        # The trained responses by length, in both systems (OPPO's trainer and upstream's as the CLI runs it): the
+        # buckets' shares cover every trained response, their rewards make up the step's mean reward, and the
+        # buckets with responses hold the mean length.
+        for s in steps:
+            shares = {b: s[lengths.key("share", *b)] for b in lengths.buckets()}
+            assert sum(shares.values()) == pytest.approx(1)
+            rewards = {b: s[lengths.key("reward", *b)] for b in lengths.buckets() if shares[b]}
+            assert sum(shares[b] * r for b, r in rewards.items()) == pytest.approx(s["rollout/reward_mean"], abs=1e-5)
+            lowest, highest = min(rewards), max(rewards)
+            assert lowest[0] <= s["rollout/response_length_mean"] < (highest[1] or float("inf"))
     # The training prompts give credit for each step of the chain (--credit steps), the held-out ones for the
     # answer alone, since OpenRLHF's pass@1 on them is their mean reward.
     labels = {name: [json.loads(line)["answer"] for line in open(out / "workload" / name)] for name in WORKLOAD}

@@ -10,6 +10,9 @@ which neither lists nor knows them:
   params hook (``extension.set_sampling_params_hook``): every response exactly as long as its prompt's label.
 * ``--bench.seed_prompt_order`` swaps upstream's strategy class for ``seeded_order.SeededOrderStrategy``: the
   prompts in the same order in every run of one ``--train.seed``.
+* ``--bench.kv_cache_gb GIB`` starts every vLLM engine with a KV cache of that size
+  (``extension.set_engine_kwargs(kv_cache_memory_bytes=...)``) instead of the one vLLM sizes from the GPU memory
+  free while it starts: runs that share a GPU start and free memory at any time.
 
 A run's recorded flags (``results.json``) hold these flags among the CLI's: ``parse_args`` reads such a list as
 the run parsed it, for the tools that rebuild a run from its record.
@@ -21,7 +24,7 @@ import sys
 from openrlhf_oppo import extension, quiet
 from openrlhf_oppo.cli import train_ppo_ray
 
-# name: the sentence --help shows. Both are switches, off unless given.
+# name: the sentence --help shows. Switches, off unless given.
 OPTIONS = {
     "lengths_from_label": "Each prompt's label is its response length in tokens (max_tokens=label, ignore_eos), so "
     "every system decodes the same lengths. Use with --data.label_key.",
@@ -30,11 +33,31 @@ OPTIONS = {
 }
 
 
+# name: (the sentence --help shows, metavar). Each takes a number; unset unless given.
+VALUED = {
+    "kv_cache_gb": (
+        "Every vLLM engine's KV cache, in GiB (vLLM's kv_cache_memory_bytes), instead of the one vLLM sizes from "
+        "the GPU memory free while it starts, which other runs on the GPU change.",
+        "GIB",
+    ),
+}
+
+
 def split(argv: list):
-    """The benchmark's flags of ``argv`` (a namespace of switches) and the others, in their order: the CLI's."""
+    """The benchmark's flags of ``argv`` (a namespace: the switches, and the valued options as floats or None) and
+    the others, in their order: the CLI's."""
     flags = {f"--bench.{name}" for name in OPTIONS}
     workload = argparse.Namespace(**{name: f"--bench.{name}" in argv for name in OPTIONS})
-    return workload, [arg for arg in argv if arg not in flags]
+    rest, args = [], iter(argv)
+    for arg in args:
+        name = arg.removeprefix("--bench.")
+        if name in VALUED:
+            setattr(workload, name, float(next(args)))
+        elif arg not in flags:
+            rest.append(arg)
+    for name in VALUED:
+        setattr(workload, name, getattr(workload, name, None))
+    return workload, rest
 
 
 def install(workload: argparse.Namespace) -> None:
@@ -47,6 +70,8 @@ def install(workload: argparse.Namespace) -> None:
         from openrlhf_oppo.bench import seeded_order  # imports OpenRLHF's strategy
 
         seeded_order.install()
+    if workload.kv_cache_gb is not None:
+        extension.set_engine_kwargs(kv_cache_memory_bytes=int(workload.kv_cache_gb * 2**30))
 
 
 def parse_args(argv: list):
@@ -62,12 +87,15 @@ def help_text() -> str:
     """What ``--help`` shows before the CLI's own help."""
     parser = argparse.ArgumentParser(
         prog="python -m openrlhf_oppo.bench.driver",
-        usage="%(prog)s <train_ppo_ray flags> [--bench.lengths_from_label] [--bench.seed_prompt_order]",
+        usage="%(prog)s <train_ppo_ray flags> [--bench.lengths_from_label] [--bench.seed_prompt_order] "
+        "[--bench.kv_cache_gb GIB]",
         add_help=False,
     )
     group = parser.add_argument_group("Benchmark workload", "This driver's own flags; every other flag is the CLI's.")
     for name, sentence in OPTIONS.items():
         group.add_argument(f"--bench.{name}", action="store_true", help=f"{sentence} Default: off.")
+    for name, (sentence, metavar) in VALUED.items():
+        group.add_argument(f"--bench.{name}", metavar=metavar, help=f"{sentence} Default: vLLM's own.")
     return parser.format_help()
 
 

@@ -11,6 +11,13 @@
 3. ``results.json`` after each run, then ``table.md`` and the plots of accuracy against step and wall-clock
    time, with a band over the seeds (``learning_report.py``).
 
+Runs side by side: one ``(system, seed)`` per process (``--systems S --seeds N``), every process on one warm-up made
+before (``--warmup_from``, ``python -m openrlhf_oppo.bench.warmup``), each with its own Ray cluster, a small vLLM
+share (``--vllm_share``) and no memory moved after the start (``--sleep off``); ``results.json`` records the
+warm-up's checkpoint hash, so the merged runs can show they started from one model. How many steps a run makes
+does not depend on what shares the GPU, its wall-clock does: ``--speed_alone`` runs a few steps of each system one
+after the other, alone on the GPU, and the report times every system's curve by those step times.
+
 The defaults are the GPU benchmark's; the CPU tests run the same function (``run``) scaled down, with a runner
 that drives OpenRLHF's trainer in-process on CPU stand-ins.
 """
@@ -30,7 +37,8 @@ TASKS = ("addition",)
 LEARNING_SYSTEMS = dict(
     split=("upstream-sync", "upstream-async", "oppo-both", "oppo-both-keep"),
     # Upstream's async trainer needs vLLM on GPUs of its own; sleeping engines drop the KV that keep would keep.
-    colocated=("upstream-sync", "oppo-both-awake", "oppo-both-awake-keep"),
+    # ``oppo``, the flag swap, leaves the engines' sleep to the plan, which keeps them awake where they fit.
+    colocated=("upstream-sync", "oppo", "oppo-both-awake", "oppo-both-awake-keep"),
 )
 
 
@@ -76,6 +84,13 @@ def parse(argv=None):
     )
     parser.add_argument("--target", type=float, default=0.8, help="the accuracy the convergence table times")
     parser.add_argument("--warmup_target", type=float, default=0.3, help="held-out greedy accuracy to stop at")
+    parser.add_argument(
+        "--warmup_headroom",
+        type=float,
+        default=None,
+        help="stop the warm-up where its sampled accuracy is at most --warmup_target and the sums with a right "
+        "sample among --n_samples are at least this much more (warmup.stop_here), not at a greedy accuracy",
+    )
     parser.add_argument("--warmup_max_steps", type=int, default=5000)
     parser.add_argument(
         "--eval_every",
@@ -93,6 +108,47 @@ def parse(argv=None):
     parser.add_argument(
         "--upstream_patches", action="store_true", help="run every system on OpenRLHF with patches/openrlhf applied"
     )
+    parser.add_argument(
+        "--sleep",
+        choices=["on", "off"],
+        default="on",
+        help="colocated: 'on', vLLM and the models' DeepSpeed states sleep in turn (OpenRLHF's hybrid engine); 'off', "
+        "every system keeps them on the GPU, so that no memory moves after the start (runs sharing one GPU: vLLM "
+        "sizes its KV cache from the memory that moves while it starts)",
+    )
+    parser.add_argument(
+        "--vllm_share",
+        type=float,
+        default=None,
+        help="--vllm.gpu_memory_utilization of every system (default: 0.45 colocated, 0.75 split); runs sharing one "
+        "GPU each take a small share",
+    )
+    parser.add_argument(
+        "--kv_cache_gb",
+        type=float,
+        default=None,
+        help="every vLLM engine's KV cache in GiB (the driver's --bench.kv_cache_gb), not sized from the memory free "
+        "as it starts: runs sharing one GPU start and free memory at any time",
+    )
+    parser.add_argument(
+        "--train_micro_batch",
+        type=int,
+        default=None,
+        help="--train.micro_batch_size (default: a policy update's samples in one micro-batch); a smaller one holds "
+        "less memory at a peak, for runs sharing one GPU, and changes no update",
+    )
+    parser.add_argument(
+        "--warmup_from",
+        default=None,
+        help="a warm-up folder made before (python -m openrlhf_oppo.bench.warmup: models/ and warmup.json), used as "
+        "it is, so that runs side by side start from one model; its digits must be the run's",
+    )
+    parser.add_argument(
+        "--speed_alone",
+        action="store_true",
+        help="measure step times: --steps steps of each system one after the other, without evaluations, to run "
+        "alone on the machine; the report times the side-by-side learning runs by them",
+    )
     parser.add_argument("--workdir", default=None, help="the warm-up's checkpoints and the prompts (OUT/workload)")
     parser.add_argument("--out", required=True, help="results.json, table.md and the plots")
     parser.add_argument("--scratch", default=None, help="logs, tensorboard, traces, checkpoints (default OUT)")
@@ -102,6 +158,10 @@ def parse(argv=None):
         parser.error(f"--updates {args.updates} must divide the {samples} samples of a step (--batch x --n_samples)")
     args.systems = args.systems or ",".join(LEARNING_SYSTEMS[args.placement])
     refuse_what_the_placement_cannot_run(parser, args.systems, args.placement)
+    if args.train_micro_batch is not None and (samples // args.updates) % args.train_micro_batch:
+        parser.error(f"--train_micro_batch {args.train_micro_batch} must divide a policy update's samples")
+    if args.speed_alone:
+        args.eval_every = 0  # the step times alone, no evaluation between them
     args.warmup = 0  # every PPO step counts (``run_system`` reads it)
     # Split: Delta equal to the batch, so that the next step's groups decode while this one trains. Colocated, the
     # awake engines decode the next step's prompts during training anyway: a Delta as large would have each step
@@ -130,10 +190,16 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (patched, os.environ.get("PYTHONPATH")) if p)
 
     digits = dict(mean=args.digits_mean, high=args.digits_high)
-    warm = warmup.warm_up(
-        workdir, args.shape, args.warmup_target, args.seed, digits, max_steps=args.warmup_max_steps,
-        samples=args.n_samples, **(warmup_options or {}),
-    )  # fmt: skip
+    warm_dir = args.warmup_from or workdir
+    if args.warmup_from:
+        os.makedirs(workdir, exist_ok=True)
+        warm = warmup.made_before(args.warmup_from, args.shape, digits)
+    else:
+        warm = warmup.warm_up(
+            workdir, args.shape, args.warmup_target, args.seed, digits, max_steps=args.warmup_max_steps,
+            samples=args.n_samples, headroom=args.warmup_headroom, **(warmup_options or {}),
+        )  # fmt: skip
+    checkpoint = warmup.checkpoint_sha256(warm_dir)
     prompts = addition.write_prompts(
         os.path.join(workdir, "prompts.jsonl"), args.batch * (args.steps + 2), args.seed, args.credit, **digits
     )
@@ -146,17 +212,25 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
     results = dict(
         **header,
         settings=dict(vars(args), systems=systems, seeds=seeds),
-        task=dict(name=args.task, target=args.target, warmup=warm, prompts=prompts, heldout=heldout),
+        task=dict(
+            name=args.task, target=args.target, warmup=warm, warmup_sha256=checkpoint, prompts=prompts, heldout=heldout
+        ),
         upstream_patches=[patch.name for patch in patches()] if args.upstream_patches else [],
         systems={},
     )
     path = os.path.join(args.out, "results.json")
     folders = report.machine_folders(args.out, args.scratch, workdir)
+    if args.warmup_from:
+        folders["WARMUP"] = args.warmup_from
     for seed in seeds:  # seed by seed, so that a run cut short has every system of its first seeds
         for system in tqdm(systems, desc=f"seed {seed}"):
-            name = f"{system}-seed{seed}"
-            result = runner(name, run_flags(workdir, args.scratch, name, system, seed, args), args)
-            results["systems"][name] = dict(result, system=system, seed=seed, warmup_accuracy=warm["accuracy"])
+            name = f"{system}-{'alone' if args.speed_alone else 'seed'}{seed}"
+            result = runner(name, run_flags(workdir, args.scratch, name, system, seed, args, warm_dir), args)
+            results["systems"][name] = dict(
+                result, system=system, seed=seed, warmup_accuracy=warm["accuracy"], warmup_sha256=checkpoint
+            )
+            if args.speed_alone:  # step times, not a curve (``learning_report.alone_step_seconds``)
+                results["systems"][name]["alone"] = True
             with open(path, "w") as f:
                 json.dump(report.without_machine_folders(results, folders), f, indent=1)
     report.write(results, args.out)
@@ -164,17 +238,21 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
     return results
 
 
-def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -> list:
+def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args, warm_dir: str = None) -> list:
     """One run's ``train_ppo_ray`` flags: the cluster and the system as in the speed benchmark, the task's
-    prompts, rule reward and response lengths, and the PPO settings of the learning benchmark."""
+    prompts (in ``workdir``), rule reward and response lengths, and the PPO settings of the learning benchmark. The
+    models are the warm-up's in ``warm_dir`` (default ``workdir``)."""
     max_response = addition.max_response_tokens(args.digits_high)
     samples = args.batch * args.n_samples
     update = max(1, samples // args.updates)  # samples a policy update
     # No gradient checkpointing: the small model's activations are small, and recomputing them would only lengthen
     # every system's training, the part of the step that no system overlaps.
     cluster = cluster_flags(
-        workdir, out, name, system, args.placement, args.gpus, seed, args.cache_budget_gb, gradient_checkpointing=False
-    )
+        warm_dir or workdir, out, name, system, args.placement, args.gpus, seed, args.cache_budget_gb,
+        gradient_checkpointing=False,
+    )  # fmt: skip
+    if args.vllm_share is not None:
+        cluster[cluster.index("--vllm.gpu_memory_utilization") + 1] = str(args.vllm_share)
     return (
         cluster
         + [
@@ -191,7 +269,7 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
             # --updates policy updates a step, each on its share of the samples in one micro-batch: the small
             # model's training is bound by kernel launches, so fewer, larger micro-batches are faster.
             "--train.batch_size", str(update),
-            "--train.micro_batch_size", str(update),
+            "--train.micro_batch_size", str(args.train_micro_batch or update),
             "--train.max_epochs", "1",
             # Advantages against the other samples of the prompt: no critic to learn first.
             "--algo.advantage.estimator", "group_norm",
@@ -208,9 +286,10 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args) -
             "--actor.adam.lr", str(args.lr),
             "--actor.lr_scheduler", args.lr_scheduler,
         ]
+        + (["--bench.kv_cache_gb", str(args.kv_cache_gb)] if args.kv_cache_gb is not None else [])
         + first_token_flags(args.upstream_patches)
         + eval_flags(workdir, args.eval_every)
-        + system_flags(system, args.placement, args.overcommit)
+        + system_flags(system, args.placement, args.overcommit, ds_sleep=args.sleep == "on", vllm_sleep=args.sleep == "on")
         + args.extra
     )  # fmt: skip
 

@@ -22,6 +22,7 @@ import itertools
 import math
 import statistics
 
+from openrlhf_oppo import lengths
 from openrlhf_oppo.bench import addition
 
 SMOOTHING = 3  # steps in the moving mean
@@ -32,9 +33,12 @@ HELDOUT = "eval/eval_default_pass1"  # OpenRLHF's pass@1 on an eval set without 
 
 
 def runs_by_system(results: dict) -> dict:
-    """system -> {seed: steps}, for the runs that logged steps, systems in the order they ran."""
+    """system -> {seed: steps}, for the runs that logged steps, systems in the order they ran (not the step times
+    measured alone: ``alone_step_seconds``)."""
     runs = {}
     for result in results["systems"].values():
+        if result.get("alone"):
+            continue
         runs.setdefault(result["system"], {})
         if result.get("steps"):
             runs[result["system"]][result["seed"]] = result["steps"]
@@ -194,7 +198,7 @@ def table(results: dict) -> str:
     ]
     base_minutes = _minutes_to_target(runs.get(BASELINE, {}), target)
     for system, seeds in runs.items():
-        attempted = [r for r in results["systems"].values() if r["system"] == system]
+        attempted = [r for r in results["systems"].values() if r["system"] == system and not r.get("alone")]
         if not seeds:
             codes = sorted({str(r.get("returncode")) for r in attempted})
             lines.append(f"| {system} | failed (rc {', '.join(codes)}) |" + " |" * 9)
@@ -220,7 +224,165 @@ def table(results: dict) -> str:
     level = sync_end_level(runs)
     if base_minutes is None and level is not None:
         lines += ["", *sync_end_table(runs, level)]
+    alone = alone_step_seconds(results)
+    if alone and runs.get(BASELINE):
+        lines += ["", *same_curve_table(runs, alone)]
+    if logs_lag(results):
+        lines += ["", *lag_table(runs)]
+    if any(logs_lengths(seeds) for seeds in runs.values()):
+        lines += ["", *length_table(runs)]
     return "\n".join(lines) + "\n"
+
+
+def alone_step_seconds(results: dict) -> dict:
+    """system -> the mean wall time of its steps measured alone on the machine (``learning.py --speed_alone``),
+    over its runs there, each run's first step left out (the start-up's compiles, and no group carried yet)."""
+    times = {}
+    for result in results["systems"].values():
+        if result.get("alone") and len(result.get("steps") or []) > 1:
+            times.setdefault(result["system"], []).extend(step_seconds(result["steps"])[1:])
+    return {system: statistics.mean(seconds) for system, seconds in times.items()}
+
+
+def mean_curve(seeds: dict, curve=None) -> list:
+    """The mean over the seeds of ``curve(steps)`` (default: the smoothed accuracy), step by step."""
+    return band([(curve or accuracy)(steps) for steps in seeds.values()])[1]
+
+
+def same_curve_table(runs: dict, alone: dict) -> list:
+    """Per system: the rise (first tenth against last tenth), the share of steps at which its mean curve lies in
+    upstream sync's seed band, its last tenth against sync's, and the step and wall-clock at which its mean curve
+    first reaches sync's final accuracy (sync's last tenth), the minutes from the step times measured alone."""
+    final = statistics.mean(tenths(steps)[1] for steps in runs[BASELINE].values())
+    base_curves = [accuracy(steps) for steps in runs[BASELINE].values()]
+
+    def reached_at(seeds):
+        return next((i for i, value in enumerate(mean_curve(seeds)) if value >= final), None)
+
+    base_step = reached_at(runs[BASELINE])
+    base_minutes = (base_step + 1) * alone[BASELINE] / 60 if base_step is not None and BASELINE in alone else None
+    lines = [
+        f"The same curve: each system's mean over its seeds against upstream sync's seed band (the {SMOOTHING}-step"
+        f" means), and the time to sync's final accuracy ({final:.1%}, the mean of its seeds' last tenths), at"
+        " each system's step time measured alone on the machine (the learning runs shared it).",
+        "",
+        "| system | seeds | rise (points) | steps in sync's band | last tenth vs sync (points) | step alone (s)"
+        " | step to sync's final | minutes to sync's final | vs sync |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for system, seeds in runs.items():
+        if not seeds:
+            continue  # failed: the first table says so
+        first, last = zip(*(tenths(steps) for steps in seeds.values()))
+        rise = statistics.mean(last) * 100 - statistics.mean(first) * 100
+        in_band = (
+            "-" if system == BASELINE else f"{share_in_band([accuracy(s) for s in seeds.values()], base_curves):.0%}"
+        )
+        gap = statistics.mean(last) * 100 - final * 100
+        step, step_s = reached_at(seeds), alone.get(system)
+        minutes = (step + 1) * step_s / 60 if step is not None and step_s else None
+        ratio = f"{minutes / base_minutes:.2f}x" if minutes and base_minutes else "-"
+        lines.append(
+            f"| {system} | {len(seeds)} | {rise:+.1f} | {in_band} | {gap:+.1f} | {_or_dash(step_s, '.2f')}"
+            f" | {'-' if step is None else step + 1} | {_or_dash(minutes, '.1f')} | {ratio} |"
+        )
+    return lines
+
+
+def _or_dash(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+LAG = "oppo/policy_lag_mean"
+
+
+def logs_lag(results: dict) -> bool:
+    """Whether a run of the results logged the policy lag (OPPO's runs do)."""
+    runs = runs_by_system(results)
+    return any(LAG in s for seeds in runs.values() for steps in seeds.values() for s in steps)
+
+
+def lag_table(runs: dict) -> list:
+    """Per system, how far behind its trained samples were and how often groups were carried, means over its
+    seeds' steps: the policy lag (mean, and the most of any step), the steps that carried groups into the next, the
+    groups carried a step and the carried groups trained."""
+    lines = [
+        "Policy lag and carried groups per step, over every step of every seed (per step: lag-by-step.png).",
+        "",
+        "| system | lag, mean | lag, most | steps carrying groups | groups carried a step | carried groups trained"
+        " a step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for system, seeds in runs.items():
+        steps = [s for per_seed in seeds.values() for s in per_seed]
+        if not any(LAG in s for s in steps):
+            continue
+        carried = [s.get("oppo/carried_groups", 0.0) for s in steps]
+        lines.append(
+            f"| {system} | {statistics.mean(s.get(LAG, 0.0) for s in steps):.2f}"
+            f" | {max(s.get('oppo/policy_lag_max', 0.0) for s in steps):.0f}"
+            f" | {sum(c > 0 for c in carried) / len(carried):.0%} | {statistics.mean(carried):.1f}"
+            f" | {statistics.mean(s.get('oppo/deferred_groups_trained', 0.0) for s in steps):.1f} |"
+        )
+    return lines
+
+
+def logs_lengths(seeds: dict) -> bool:
+    """Whether every step of these runs logged the trained responses by length (``lengths.py``)."""
+    first = lengths.key("share", *lengths.buckets()[0])
+    return bool(seeds) and all(first in s for steps in seeds.values() for s in steps)
+
+
+def reward_by_length(steps: list) -> dict:
+    """``(low, high)`` -> ``(share of the trained responses, their mean reward)`` over ``steps``, each step's
+    bucket reward weighted by its share (a step's responses are as many in every system); buckets with none left
+    out."""
+    found = {}
+    for bucket in lengths.buckets():
+        shares = [s.get(lengths.key("share", *bucket), 0.0) for s in steps]
+        if sum(shares):
+            rewards = [s.get(lengths.key("reward", *bucket), 0.0) for s in steps]
+            weighted = sum(w * r for w, r in zip(shares, rewards)) / sum(shares)
+            found[bucket] = (sum(shares) / len(steps), weighted)
+    return found
+
+
+def length_table(runs: dict) -> list:
+    """Per system, the mean length of the responses trained (first tenth of the steps, last tenth, all) and, per
+    length bucket, their share and mean reward, over every step of every seed: whether the systems train the same
+    lengths, and how they are rewarded by length."""
+    found = {system: seeds for system, seeds in runs.items() if logs_lengths(seeds)}
+    used = [b for b in lengths.buckets() if any(b in reward_by_length(_all(seeds)) for seeds in found.values())]
+    names = [f"{lengths.bucket_name(*b).replace('_up', '+').replace('_', '-')} tokens" for b in used]
+    lines = [
+        "Trained responses by length: mean length (first tenth → last tenth of the steps; all steps), and per length"
+        " bucket the share of the responses trained and their mean reward (share: reward), over every step of"
+        " every seed.",
+        "",
+        "| system | mean length | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
+    for system, seeds in found.items():
+        first, last = zip(*(_tenths(steps, "rollout/response_length_mean") for steps in seeds.values()))
+        overall = statistics.mean(s["rollout/response_length_mean"] for s in _all(seeds))
+        buckets = reward_by_length(_all(seeds))
+        cells = [f"{buckets[b][0]:.0%}: {buckets[b][1]:.2f}" if b in buckets else "-" for b in used]
+        lines.append(
+            f"| {system} | {statistics.mean(first):.0f} → {statistics.mean(last):.0f}; {overall:.0f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
+
+
+def _all(seeds: dict) -> list:
+    return [s for steps in seeds.values() for s in steps]
+
+
+def _tenths(steps: list, key: str) -> tuple:
+    values = [s[key] for s in steps]
+    n = max(1, len(values) // 10)
+    return statistics.mean(values[:n]), statistics.mean(values[-n:])
 
 
 def tenths(steps: list) -> tuple:
@@ -385,9 +547,27 @@ def _spread(values: list, spec: str) -> str:
     return f"{mean} ({format(min(values), spec)}-{format(max(values), spec)})"
 
 
-def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
-    """Accuracy against step and against wall-clock minutes: per system the mean over the seeds, and a band
-    from the lowest to the highest seed."""
+def reward(steps: list) -> list:
+    """The smoothed mean reward at each step (``rollout/reward_mean``: the task's reward, before any KL penalty)."""
+    raw = [s.get("rollout/reward_mean", float("nan")) for s in steps]
+    return [statistics.mean(raw[max(0, i - SMOOTHING + 1) : i + 1]) for i in range(len(raw))]
+
+
+def clock(results: dict) -> tuple:
+    """``(minutes(system, steps), axis label)``: wall-clock minutes at the end of each step, from the step times
+    measured alone where the results have them (runs that shared the machine), else as the run's steps took."""
+    alone = alone_step_seconds(results)
+    if alone:
+        return (
+            lambda system, steps: [(i + 1) * alone.get(system, math.nan) / 60 for i in range(len(steps))],
+            "minutes at the step time measured alone",
+        )
+    return (lambda system, steps: minutes(steps)), "wall-clock minutes from the first step"
+
+
+def plot(results: dict, by_step_path: str, by_time_path: str, curve=None, what: str = "accuracy") -> None:
+    """``curve`` (default: the smoothed accuracy; ``reward``) against step and against wall-clock minutes
+    (``clock``): per system the mean over the seeds, and a band from the lowest to the highest seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -395,14 +575,17 @@ def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
     import numpy as np
 
     runs = {system: seeds for system, seeds in runs_by_system(results).items() if seeds}
-    target = results["task"]["target"]
+    target, curve = results["task"]["target"], curve or accuracy
+    at_minutes, time_label = clock(results)
     for path, by_time in ((by_step_path, False), (by_time_path, True)):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for system, seeds in runs.items():
-            curves = [accuracy(steps) for steps in seeds.values()]
+            curves = [curve(steps) for steps in seeds.values()]
             if by_time:
                 # Seeds' steps end at different times: each curve on a common grid, where every seed has steps.
-                ends = [minutes(steps) for steps in seeds.values()]
+                ends = [at_minutes(system, steps) for steps in seeds.values()]
+                if any(math.isnan(m[-1]) for m in ends):
+                    continue  # no step time measured alone for this system
                 grid = np.linspace(max(m[0] for m in ends), min(m[-1] for m in ends), 200)
                 curves = [np.interp(grid, m, c) for m, c in zip(ends, curves)]
                 x = grid
@@ -411,16 +594,21 @@ def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
             low, mean, high = band(curves)
             (line,) = ax.plot(x, mean, label=f"{system} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
             ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
-            points = [heldout(steps) for steps in seeds.values()]
+            points = [heldout(steps) for steps in seeds.values()] if what == "accuracy" else [[]]
             count = min(len(p) for p in points)
             if count:  # the held-out accuracy, mean over the seeds, at each evaluation
-                where = [minutes(steps) if by_time else range(1, len(steps) + 1) for steps in seeds.values()]
+                where = [
+                    at_minutes(system, steps) if by_time else range(1, len(steps) + 1) for steps in seeds.values()
+                ]
                 at = [statistics.mean(w[p[k][0]] for w, p in zip(where, points)) for k in range(count)]
                 values = [statistics.mean(p[k][1] for p in points) for k in range(count)]
                 ax.plot(at, values, ls=":", marker="o", ms=3, color=line.get_color(), label=f"{system}, held-out")
-        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.0%}")
-        ax.set_xlabel("wall-clock minutes from the first step" if by_time else "PPO step")
-        ax.set_ylabel(f"accuracy\nsampled ({SMOOTHING}-step mean); dotted: held-out, greedy")
+        if what == "accuracy":
+            ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.0%}")
+            ax.set_ylabel(f"accuracy\nsampled ({SMOOTHING}-step mean); dotted: held-out, greedy")
+        else:
+            ax.set_ylabel(f"mean {what} of the trained responses\n({SMOOTHING}-step mean)")
+        ax.set_xlabel(time_label if by_time else "PPO step")
         ax.set_ylim(0, 1)
         ax.legend(fontsize=8, loc="lower right")
         ax.set_title(
@@ -429,6 +617,39 @@ def plot(results: dict, by_step_path: str, by_time_path: str) -> None:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+
+
+def plot_lag(results: dict, path: str) -> None:
+    """The policy lag (mean and most per step) and the groups carried into the next step, per step: per system the
+    mean over the seeds, with a band from the lowest to the highest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    runs = {system: seeds for system, seeds in runs_by_system(results).items() if seeds}
+    keys = ((LAG, "policy lag, mean (versions)"), ("oppo/policy_lag_max", "policy lag, most (versions)"))
+    keys += (("oppo/carried_groups", "groups carried into the next step"),)
+    fig, axes = plt.subplots(1, len(keys), figsize=(14, 3.8), sharex=True)
+    for ax, (key, label) in zip(axes, keys):
+        for system, seeds in runs.items():
+            curves = [[s.get(key, 0.0) for s in steps] for steps in seeds.values()]
+            count = min(len(c) for c in curves)
+            values = np.array([c[:count] for c in curves], dtype=float)
+            x = np.arange(1, count + 1)
+            (line,) = ax.plot(x, values.mean(axis=0), label=system, lw=1.2)
+            if len(curves) > 1:
+                ax.fill_between(x, values.min(axis=0), values.max(axis=0), color=line.get_color(), alpha=0.2)
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_xlabel("PPO step")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"{_run_label(results)}: how far behind the trained samples were, mean and range over seeds", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # What the policy does besides its accuracy, per step: (logged key, axis label, log scale).

@@ -59,6 +59,9 @@ PLOTS = (
     "accuracy-by-time.png",
     "signals-by-step.png",
     "accuracy-by-digits.png",
+    "reward-by-step.png",
+    "reward-by-time.png",
+    "lag-by-step.png",
 )
 
 
@@ -586,7 +589,13 @@ def write(results: dict, out: str) -> None:
             learning_report.plot(
                 results, os.path.join(out, "accuracy-by-step.png"), os.path.join(out, "accuracy-by-time.png")
             )
+            learning_report.plot(
+                results, *(os.path.join(out, f"reward-by-{x}.png") for x in ("step", "time")),
+                curve=learning_report.reward, what="reward",
+            )  # fmt: skip
             learning_report.plot_signals(results, os.path.join(out, "signals-by-step.png"))
+            if learning_report.logs_lag(results):
+                learning_report.plot_lag(results, os.path.join(out, "lag-by-step.png"))
             if learning_report.logs_digits(learning_report.runs_by_system(results)):
                 learning_report.plot_digits(results, os.path.join(out, "accuracy-by-digits.png"))
         elif is_convergence(results):

@@ -12,7 +12,8 @@ OpenRLHF (``--bench.lengths_from_label`` only fixes the response lengths).
   ``ds_sleep=False`` the models' DeepSpeed states stay on the GPU in every system (no ``--ds.enable_sleep``);
   ``upstream-sync-states-on-gpu`` is upstream sync so whatever ``ds_sleep`` says.
 
-``oppo`` is what a user runs: the upstream-sync system's flags plus ``--oppo.enable``, everything else the plan's.
+``oppo`` is what a user runs: the upstream-sync system's flags plus ``--oppo.enable``, everything else the plan's;
+``oppo-keep`` adds ``--oppo.carry_kv keep`` to it, the one user option besides the lag that changes what is trained.
 The other OPPO systems pin mechanism flags, for ablations.
 
 Variants of ``oppo-both``:
@@ -35,6 +36,7 @@ SYSTEMS = (
     "upstream-sync-states-on-gpu",
     "upstream-async",
     "oppo",
+    "oppo-keep",
     "oppo-intra",
     "oppo-inter",
     "oppo-both",
@@ -49,7 +51,9 @@ SPLIT_ONLY = ("upstream-async", "oppo-both-early", "oppo-both-frozen-with-models
 # vLLM awake through training (colocated), its requests decoding beside the models' training.
 AWAKE = ("oppo-both-awake", "oppo-both-awake-keep", "oppo-inter-awake")
 # Carried requests keep the KV cache of the weights that decoded them (--oppo.carry_kv keep).
-KEEP_KV = ("oppo-both-keep", "oppo-both-awake-keep")
+KEEP_KV = ("oppo-keep", "oppo-both-keep", "oppo-both-awake-keep")
+# What a user runs: upstream sync's flags and --oppo.enable (and the user option --oppo.carry_kv), the rest the plan's.
+FLAG_SWAP = ("oppo", "oppo-keep")
 DECODE_BESIDE_TRAINING = ["--oppo.colocated_decode", "during_training", "--oppo.top_up", "step_end"]
 COLOCATED_ONLY = AWAKE + ("upstream-sync-states-on-gpu",)
 INTER_ONLY = ("oppo-inter", "oppo-inter-awake")  # no intra-step streaming
@@ -58,7 +62,9 @@ INTER_ONLY = ("oppo-inter", "oppo-inter-awake")  # no intra-step streaming
 FROZEN_WITH_MODELS = INTER_ONLY + ("oppo-both-frozen-with-models",)
 
 
-def system_flags(system: str, placement: str, overcommit: int, ds_sleep: bool = True) -> list:
+def system_flags(system: str, placement: str, overcommit: int, ds_sleep: bool = True, vllm_sleep: bool = True) -> list:
+    """The system's own flags. Colocated, vLLM and the models' DeepSpeed states sleep in turn (OpenRLHF's hybrid
+    engine) unless ``ds_sleep`` or ``vllm_sleep`` is off; the awake systems keep vLLM awake anyway."""
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     colocated = placement == "colocated"
@@ -70,15 +76,15 @@ def system_flags(system: str, placement: str, overcommit: int, ds_sleep: bool = 
         return ["--train.async_enable", "--train.partial_rollout_enable", "--train.colocate_all"]
 
     flags = ["--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep"] if colocated else []
-    if colocated and (not ds_sleep or system == "upstream-sync-states-on-gpu"):
-        flags.remove("--ds.enable_sleep")
-    if system in AWAKE:
-        flags.remove("--vllm.enable_sleep")
+    if not ds_sleep or system == "upstream-sync-states-on-gpu":
+        flags = _without(flags, "--ds.enable_sleep")
+    if not vllm_sleep or system in AWAKE:
+        flags = _without(flags, "--vllm.enable_sleep")
     if system.startswith("upstream-sync"):
         return flags + ([] if colocated else ["--oppo.colocate_models"])
     flags += ["--oppo.enable"] + ([] if colocated else ["--oppo.colocate_models"])
-    if system == "oppo":
-        return flags
+    if system in FLAG_SWAP:
+        return flags + (["--oppo.carry_kv", "keep"] if system in KEEP_KV else [])
     if system == "oppo-intra":
         return flags + ["--oppo.intra_step", "on", "--oppo.overcommit", "0"]
     intra_step = "off" if system in INTER_ONLY else "on"
@@ -92,6 +98,10 @@ def system_flags(system: str, placement: str, overcommit: int, ds_sleep: bool = 
     if system in AWAKE:
         flags += DECODE_BESIDE_TRAINING
     return flags
+
+
+def _without(flags: list, flag: str) -> list:
+    return [f for f in flags if f != flag]
 
 
 def refuse_what_the_placement_cannot_run(parser, systems: str, placement: str) -> None:
@@ -196,7 +206,7 @@ def cluster_flags(
         ("ref", frozen_gpus),
     ):
         flags += [f"--{role}.num_nodes", "1", f"--{role}.num_gpus_per_node", str(role_gpus)]
-    if system.startswith("oppo-"):  # the ablations; ``oppo`` is the flag swap alone
+    if system.startswith("oppo-") and system not in FLAG_SWAP:  # the ablations, not what a user runs
         flags += ["--oppo.trace_dir", f"{out}/trace/{name}"]
         if system not in INTER_ONLY:
             flags += ["--oppo.cache_budget_gb", str(cache_budget_gb)]

@@ -1,16 +1,21 @@
 """Supervised warm-up for the learning benchmark: a Qwen2-shaped model learns the addition task part of the way.
 
-    python -m openrlhf_oppo.bench.warmup --out DIR [--shape small] [--target 0.3] [--digits_mean 6]
+    python -m openrlhf_oppo.bench.warmup --out DIR [--shape small] [--target 0.3] [--digits_mean 6] [--headroom 0.35]
 
 Plain PyTorch, on the GPU if there is one. A random-init ``tiny.SHAPES`` model with the byte-level benchmark
 tokenizer (no downloads) trains on fresh sums every step (loss on the response only) until its greedy accuracy
-on held-out sums reaches ``target``: it gets some sums right and many wrong, which PPO can improve. It writes
+on held-out sums reaches ``target``: it gets some sums right and many wrong, which PPO can improve. With
+``headroom`` it stops instead at the first evaluation where its responses sampled as PPO samples them are right at
+most ``target`` of the time, and the sums with a right one among ``samples`` are at least ``headroom`` more: with
+the answer's credit PPO learns from those sums only, and earlier runs rose to about their share (docs/results,
+learning-1gpu-small-addition-digits-mean2-sync), so the gap is the room a run has to rise. It writes
 ``DIR/models/actor``, ``DIR/models/reward`` (as ``tiny.make_checkpoints`` builds them) and ``DIR/warmup.json``
 (accuracy by digits, a few wrong responses, and how often ``samples`` responses sampled as PPO samples them get
 each sum right: what PPO can learn from). A second run with the same settings reuses them.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -35,12 +40,16 @@ def warm_up(
     heldout: int = 256,
     dtype: str = "bfloat16",
     samples: int = 8,
+    headroom: float = None,
 ) -> dict:
-    """Train until the held-out greedy accuracy reaches ``target`` (or ``max_steps``), save, return the summary."""
+    """Train until the held-out greedy accuracy reaches ``target`` (or, with ``headroom``, until ``stop_here`` says
+    so; or ``max_steps``), save, return the summary."""
     settings = dict(
         shape=shape, target=target, seed=seed, digits=dict(addition.DIGITS, **(digits or {})), batch=batch, lr=lr
     )
     settings.update(max_steps=max_steps, eval_every=eval_every, heldout=heldout, dtype=dtype, samples=samples)
+    if headroom is not None:  # absent otherwise, so that warm-ups cached before keep their settings
+        settings["headroom"] = headroom
     summary_path = os.path.join(workdir, "warmup.json")
     actor_dir, reward_dir = os.path.join(workdir, "models", "actor"), os.path.join(workdir, "models", "reward")
     if os.path.exists(summary_path) and os.path.exists(os.path.join(reward_dir, "config.json")):
@@ -71,8 +80,8 @@ def warm_up(
         flush=True,
     )
 
-    started, history, accuracy, step = time.time(), [], 0.0, 0
-    while step < max_steps and accuracy < target:
+    started, history, step, done, past = time.time(), [], 0, False, False
+    while step < max_steps and not (done or past):
         model.train()
         for _ in range(eval_every):
             pairs = addition.problems(batch, (seed + 1) * TRAIN_SEED + step, **settings["digits"])
@@ -85,14 +94,17 @@ def warm_up(
             step += 1
         right = greedy_right(model, tokenizer, tests, max_new_tokens, device)
         accuracy, bands = sum(right) / len(right), accuracy_by_digits(tests, right)
-        history.append(
-            dict(
-                step=step, loss=loss.item(), accuracy=accuracy, accuracy_by_digits=bands, seconds=time.time() - started
-            )
-        )
+        point = dict(step=step, loss=loss.item(), accuracy=accuracy, accuracy_by_digits=bands)
+        if headroom is not None:  # every held-out sum's samples in one batch: an evaluation at every check
+            sampled = sampled_right(model, tokenizer, tests, samples, max_new_tokens, device, heldout * samples)
+            point.update(sampled_summary(tests, sampled))
+        history.append(dict(point, seconds=time.time() - started))
+        done = stop_here(point, target, headroom)
+        # Past the sampled accuracy allowed, the room can only shrink: stop short of the rule rather than train on.
+        past = headroom is not None and point["sampled_accuracy"] > target
         print(
             f"[warm-up] step {step}: loss {loss.item():.3f}, held-out accuracy {accuracy:.1%}"
-            f" ({_bands(bands)}; {time.time() - started:.0f} s)",
+            f" ({_bands(bands)}{_sampled_line(point)}; {time.time() - started:.0f} s)",
             flush=True,
         )
 
@@ -118,7 +130,7 @@ def warm_up(
         # sum is learnable where one of its group's samples gets it right (pass_at_samples): with the answer's
         # credit, the accuracy PPO can reach soon is about pass_at_samples.
         **sampled_summary(tests, sampled),
-        reached_target=accuracy >= target,
+        reached_target=done,
         history=history,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
     )
@@ -131,7 +143,8 @@ def warm_up(
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=1)
     if not summary["reached_target"]:
-        print(f"[warm-up] stopped at {max_steps} steps below the target accuracy {target:.0%}", flush=True)
+        why = f"its sampled accuracy passed {target:.0%}" if past else f"{max_steps} steps"
+        print(f"[warm-up] stopped short of its stopping rule: {why}", flush=True)
     print(
         f"[warm-up] saved {actor_dir}: held-out accuracy {summary['accuracy']:.1%}; of {samples} samples per sum"
         f" {summary['sampled_accuracy']:.1%} right, a sum with one right sample {summary['pass_at_samples']:.1%}"
@@ -139,6 +152,48 @@ def warm_up(
         flush=True,
     )
     return summary
+
+
+def stop_here(point: dict, target: float, headroom: float = None) -> bool:
+    """Whether the warm-up stops at this evaluation (``point``: a ``history`` entry). Without ``headroom``: the
+    greedy accuracy reached ``target``. With it: sampled at temperature 1 the responses are right at most ``target``
+    of the time, and the sums with a right one among the samples (pass@samples) are at least ``headroom`` more:
+    PPO starts low, with that much room to rise."""
+    if headroom is None:
+        return point["accuracy"] >= target
+    sampled = point["sampled_accuracy"]
+    return sampled <= target and point["pass_at_samples"] - sampled >= headroom
+
+
+def _sampled_line(point: dict) -> str:
+    if "pass_at_samples" not in point:
+        return ""
+    return f"; sampled {point['sampled_accuracy']:.1%}, pass@samples {point['pass_at_samples']:.1%}"
+
+
+def made_before(workdir: str, shape: str, digits: dict) -> dict:
+    """The summary of the warm-up in ``workdir`` (``models/`` and ``warmup.json``), made before by this module, for
+    runs that share it; an error where there is none, or where its shape or sums are not the run's."""
+    path = os.path.join(workdir, "warmup.json")
+    if not os.path.exists(path) or not os.path.exists(os.path.join(workdir, "models", "actor", "config.json")):
+        raise FileNotFoundError(f"no warm-up in {workdir}: make it first (python -m openrlhf_oppo.bench.warmup)")
+    with open(path) as f:
+        summary = json.load(f)
+    wanted = dict(shape=shape, digits=dict(addition.DIGITS, **digits))
+    made = {key: summary["settings"][key] for key in wanted}
+    if made != wanted:
+        raise ValueError(f"the warm-up in {workdir} was made for {made}, the run wants {wanted}")
+    return summary
+
+
+def checkpoint_sha256(workdir: str) -> str:
+    """The SHA-256 of the warm-up's policy weights (``models/actor/model.safetensors``): runs with the same one
+    started from the same model."""
+    digest = hashlib.sha256()
+    with open(os.path.join(workdir, "models", "actor", "model.safetensors"), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _batch(tokenizer, pairs, device):
@@ -266,7 +321,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the workload folder (models/ and warmup.json go there)")
     parser.add_argument("--shape", default="small", choices=sorted(tiny.SHAPES))
-    parser.add_argument("--target", type=float, default=0.3, help="held-out greedy accuracy at which to stop")
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=0.3,
+        help="held-out greedy accuracy at which to stop; with --headroom, the most sampled accuracy to stop at",
+    )
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=None,
+        help="stop where pass@samples is at least this far above the sampled accuracy (and that at most --target); "
+        "stop short of it once the sampled accuracy passes --target",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--digits_mean", type=float, default=addition.DIGITS["mean"])
     parser.add_argument("--digits_high", type=int, default=addition.DIGITS["high"])
@@ -291,6 +358,7 @@ def main():
         max_steps=args.max_steps,
         eval_every=args.eval_every,
         samples=args.samples,
+        headroom=args.headroom,
     )
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
 

@@ -46,6 +46,8 @@ class RolloutConfig:
     stream_interval: int = 1  # --oppo.stream_interval: tokens per streamed output of a request
     # extension.set_sampling_params_hook: (sampling_params, label) -> the sampling params of that prompt's samples
     sampling_params_hook: Optional[Callable] = None
+    # extension.set_engine_kwargs: vLLM engine arguments over upstream's (kv_cache_memory_bytes, say)
+    engine_kwargs: Optional[dict] = None
 
 
 class ChunkOutbox:
@@ -244,6 +246,7 @@ class OPPORolloutActor(WeightSyncRolloutMixin, RolloutRayActor.__ray_actor_class
         self.oppo_config = RolloutConfig(**(oppo_config or {}))
         # An output every ``stream_interval`` tokens (vLLM's --stream-interval) spares this process one output per
         # token and request; config keeps it at most the smallest chunk.
+        kwargs.update(self.oppo_config.engine_kwargs or {})
         await super().__init__(*args, stream_interval=self.oppo_config.stream_interval, **kwargs)
         end_children_with_this_process()  # the engine core, should this actor die without a shutdown
         self.tracer = Tracer(enabled=False, process="rollout")  # on with oppo_connect(trace=True)

@@ -2,7 +2,8 @@
 
 On GPUs each run is a ``train_ppo_ray`` process. Here the same flags go through the same parser
 (``bench.driver.parse_args``: upstream's options and OPPO's checks), and the run is OpenRLHF's trainer
-(``PPOTrainer`` for upstream sync, ``OPPOTrainerRayActor`` for OPPO) driven by ``CPUPipeline``: a real vLLM
+(upstream's ``PPOTrainer`` as the CLI runs it, ``upstream_trainer.UpstreamPPOTrainer``, for upstream sync;
+``OPPOTrainerRayActor`` for OPPO) driven by ``CPUPipeline``: a real vLLM
 engine with the run's rule reward, the model groups upstream would build, and the CPU stand-in for DeepSpeed
 training (the weights do not change). A run goes through every prompt of its dataset; the result has the
 fields that ``run_system`` records and the reports read.
@@ -21,16 +22,15 @@ class CPURunner:
     """``runner(name, flags, args) -> result``. One engine for every run, started with the first run's policy
     checkpoint, rule reward and seed; each run gets fresh model actors, and the engine back at weight version 0."""
 
-    SYSTEMS = ("upstream-sync", "oppo-intra", "oppo-inter", "oppo-both", "oppo-both-keep")  # no async trainer
+    SYSTEMS = ("upstream-sync", "oppo", "oppo-intra", "oppo-inter", "oppo-both", "oppo-both-keep")  # no async trainer
 
     def __init__(self):
         self.engine = None
 
     def __call__(self, name: str, flags: list, args) -> dict:
-        from openrlhf.trainer.ppo_trainer import PPOTrainer
-
         from openrlhf_oppo.bench.driver import parse_args
         from openrlhf_oppo.trainer import OPPOTrainerRayActor
+        from openrlhf_oppo.upstream_trainer import UpstreamPPOTrainer
 
         if not any(name.startswith(system + "-") for system in self.SYSTEMS):
             raise ValueError(f"{name}: the CPU runner runs {', '.join(self.SYSTEMS)}")
@@ -47,7 +47,7 @@ class CPURunner:
         pipeline = cpu_pipeline.CPUPipeline(ppo, actor, reward, [self.engine], roles=cpu_pipeline.upstream_roles(ppo))
         started = time.time()
         try:
-            pipeline.run_ppo(OPPOTrainerRayActor if ppo.oppo.enable else PPOTrainer)
+            pipeline.run_ppo(OPPOTrainerRayActor if ppo.oppo.enable else UpstreamPPOTrainer)  # as the CLI runs them
         finally:
             pipeline.coordinator.resume(0, resume=False)
             pipeline.kill()
