@@ -27,8 +27,9 @@ upstream's ``COMPONENTS`` instead of swapping globals.
 
 Tools that run OPPO's CLI in a driver of their own change what the rollout actors sample through one extension
 point, ``set_sampling_params_hook`` (and ``set_engine_kwargs`` for vLLM's own arguments), called before the CLI
-starts; the runtime itself registers no hook and imports no tool. The benchmark's driver (``python -m openrlhf_oppo.bench.driver``) registers its fixed-length workload there,
-and seeds upstream's prompt shuffle by swapping upstream's strategy class itself.
+starts; the runtime itself registers no hook and imports no tool. The benchmark's driver (``python -m
+openrlhf_oppo.bench.driver``) registers its fixed-length workload there, and seeds upstream's prompt shuffle by
+swapping upstream's strategy class itself.
 """
 
 import importlib
