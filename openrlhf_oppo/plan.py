@@ -27,9 +27,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from openrlhf_oppo import config, memory
+from openrlhf_oppo import config, memory, topology
 from openrlhf_oppo.config import OPPOConfigError
 from openrlhf_oppo.memory import Layout
+from openrlhf_oppo.topology import Topology
 
 # A group of the split placement is carried about Delta / B steps: twice the batch in flight beyond it keeps the
 # engines busy through training and the sync, and no measured Delta beyond it was faster (docs/results).
@@ -76,6 +77,7 @@ class Overcommit:
 @dataclass(frozen=True)
 class Plan:
     enabled: bool = False
+    topology: Topology = Topology((), ())  # which models the run has and on which GPUs
     max_lag: int = 0
     streamed_roles: Tuple[str, ...] = ()
     overcommit: Overcommit = Overcommit()
@@ -164,7 +166,10 @@ def _resolve(args) -> Plan:
     config.check_placement(work)
     if not oppo.enable:
         return Plan(
-            colocate_models=oppo.colocate_models, colocate_all=work.train.colocate_all, layout=_user_layout(work)
+            topology=topology.of(work),
+            colocate_models=oppo.colocate_models,
+            colocate_all=work.train.colocate_all,
+            layout=_user_layout(work),
         )
     if oppo.cache_budget_gb is None:
         oppo.cache_budget_gb = CACHE_BUDGET_GB
@@ -549,6 +554,7 @@ def _plan_from(work, choices, changes, memory_plan) -> Plan:
     oppo = work.oppo
     return Plan(
         enabled=True,
+        topology=topology.of(work, oppo.frozen_scorers_on == "generation"),
         max_lag=oppo.max_lag if oppo.inter_step else 0,
         streamed_roles=tuple(oppo.streamed_roles),
         overcommit=Overcommit(

@@ -39,6 +39,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from openrlhf_oppo import topology
 from openrlhf_oppo.config import OPPOConfigError
+from openrlhf_oppo.plan import resolve
 
 # The file types upstream's blending_datasets loads as local files (openrlhf/datasets/utils.py).
 DATA_FILES = (".json", ".jsonl", ".csv", ".parquet", ".arrow")
@@ -57,8 +58,6 @@ KV_BYTES = 2
 def check(args, run_plan=None) -> None:
     """Every check of the files and folders the flags name; raises the first problem found. ``run_plan``: the
     run's plan (``plan.resolve``), whose streamed roles and cache budget are checked."""
-    from openrlhf_oppo.plan import resolve
-
     run_plan = run_plan or resolve(args)
     prompt_data = _check_datasets(args)
     _check_folders(args)
@@ -630,22 +629,10 @@ def _round_up(gib: float) -> str:
 # -- the placement -----------------------------------------------------------------------------------------------
 
 
-def placement(args) -> List[Tuple[List[str], int]]:
-    """The GPU groups the run asks Ray for: (the models and engines sharing the group, its GPUs).
-
-    Upstream's ``train`` (0.11.2): the actor has its GPUs; the reference shares them under
-    ``--train.colocate_actor_ref`` or ``--train.colocate_all``; the critic and the reward share the critic's under
-    ``--train.colocate_critic_reward``, else the actor's under ``--train.colocate_all``; the vLLM engines share the
-    actor's under ``--train.colocate_all`` (not in async mode); any other has GPUs of its own. With
-    ``--oppo.colocate_models`` (``placement.train``) every model is on the actor's GPUs and the engines on their
-    own, the reward and reference beside the engines under ``--oppo.frozen_scorers_on generation``.
-    """
-
-    frozen_beside_vllm = bool(getattr(args.train, "frozen_models_with_vllm", False))  # extension.configure's
-    return [
-        ([SHOWN.get(role, role) for role in group.roles], group.gpus)
-        for group in topology.of(args, frozen_beside_vllm).groups
-    ]
+def placement(run_topology: topology.Topology) -> List[Tuple[List[str], int]]:
+    """The GPU groups the run asks Ray for: (the models and engines sharing the group, its GPUs), from the plan's
+    topology (``topology.of``: upstream's ``train``, or ``placement.train`` under ``--oppo.colocate_models``)."""
+    return [([SHOWN.get(role, role) for role in group.roles], group.gpus) for group in run_topology.groups]
 
 
 # The models and engines by the names of their option groups, as the placement's line shows them.
@@ -666,7 +653,7 @@ def local_machine() -> Dict[str, float]:
 def check_resources(args, have: Dict[str, float], where: str) -> None:
     """The placement's GPUs, and a CPU for each of them (each GPU's bundle takes one) plus one for the trainer
     actor, against ``have`` (Ray's resource totals)."""
-    groups = placement(args)
+    groups = placement(resolve(args).topology)
     gpus = sum(count for _, count in groups)
     has = f"{have.get('GPU', 0):g}"
     shown = "; ".join(f"{' + '.join(names)}: {count}" for names, count in groups)

@@ -23,7 +23,7 @@ from openrlhf_oppo.experience import StreamingExperienceMaker
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
 from openrlhf_oppo.plan import describe
-from openrlhf_oppo.protocol import FROZEN_ROLES, ROLES, ResourceReading, ScorerSettings, StreamSettings
+from openrlhf_oppo.protocol import ROLES, ResourceReading, ScorerSettings, StreamSettings
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming.chunking import ChunkSizeController
 from openrlhf_oppo.trace import Tracer, write_trace
@@ -84,7 +84,7 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
             vllm_engines,
             {role: groups[role] for role in oppo.streamed_roles},
             timeout_s=oppo.call_timeout_s,
-            beside_vllm=FROZEN_ROLES if oppo.frozen_scorers_on == "generation" else (),
+            beside_vllm=oppo.topology.frozen_beside_engines,
             scored_by_engines=("policy",) if oppo.policy_logprobs == "vllm" else (),
             every_model=groups,
         )
@@ -163,11 +163,9 @@ class OPPOTrainer(PPOTrainer.__ray_actor_class__):
     def _frozen_affinity(self) -> dict:
         """With the frozen models on the engines' GPUs, each engine streams to the rank on its own first GPU
         (placement.train puts rank r and engine r // TP on bundle r of the engines' placement group)."""
-        if self.plan.frozen_scorers_on != "generation":
-            return {}
         tp = self.args.vllm.tensor_parallel_size
         first_gpus = [engine * tp for engine in range(len(self.vllm_engines))]
-        return {role: first_gpus for role in FROZEN_ROLES}
+        return {role: first_gpus for role in self.plan.topology.frozen_beside_engines}
 
     # -- one step -----------------------------------------------------------------------------------
 

@@ -26,7 +26,6 @@ from typing import List, Optional
 
 from openrlhf_oppo.overcommit.controller import ThroughputController
 from openrlhf_oppo.plan import OFF, Plan
-from openrlhf_oppo.protocol import FROZEN_ROLES
 
 # The share of training after which the critic's fit ends (the two train side by side, or the critic first under
 # the hybrid engine): an assumption, as the logs time the two only together.
@@ -74,9 +73,7 @@ def engine_scored_roles(plan: Plan) -> tuple:
     """The streamed roles scored on the engines' GPUs: the frozen models beside vLLM, and the policy whose
     log-probs vLLM computes (``--oppo.policy_logprobs vllm``)."""
     streamed = plan.streamed_roles
-    on_engines = ()
-    if plan.frozen_scorers_on == "generation":
-        on_engines = tuple(r for r in streamed if r in FROZEN_ROLES)
+    on_engines = tuple(r for r in streamed if r in plan.topology.frozen_beside_engines)
     if plan.policy_logprobs == "vllm" and "policy" in streamed:
         on_engines += ("policy",)
     return on_engines
