@@ -67,7 +67,7 @@ def configure(args) -> None:
     run_plan = plan.resolve(args)
     plan.apply_upstream_changes(args, run_plan)
     print(f"[openrlhf-oppo] {plan.describe(run_plan)}", flush=True)
-    if run_plan.memory is not None and run_plan.memory.warning():
+    if run_plan.memory.warning():
         print(f"[openrlhf-oppo] warning: {run_plan.memory.warning()}", flush=True)
     config.warn_of_the_first_tokens_log_prob(args)
     preflight.check(args, run_plan)  # what the flags point at: datasets, folders, models, the cache budget
@@ -81,7 +81,7 @@ def configure(args) -> None:
         return
     from openrlhf_oppo.streaming.rollout import BoundActorClass, OPPORolloutRayActor, RolloutConfig, with_config
 
-    rollout = RolloutConfig(stream_interval=run_plan.stream_interval, sampling_params_hook=_sampling_params_hook)
+    rollout = RolloutConfig(stream_interval=run_plan.stream.interval, sampling_params_hook=_sampling_params_hook)
     components = sys.modules["__main__"].__dict__.get("COMPONENTS")
     if components is None:
         # The unpatched driver: install() swapped the classes before the options were parsed. Bind the plan to

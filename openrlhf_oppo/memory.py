@@ -141,8 +141,8 @@ def shapes_from_args(args) -> Optional[Dict[str, ModelShape]]:
 
 @dataclass(frozen=True)
 class Layout:
-    """The memory-relevant choices of a run, which the planner may change (``Plan.layout``: a run's, as its plan
-    resolved them)."""
+    """The memory-relevant choices of a run, which the planner may change (``Plan.memory.layout``: a run's, as its
+    plan resolved them)."""
 
     vllm_awake: bool  # the engines keep their share through training (no --vllm.enable_sleep)
     ds_sleep: bool  # --ds.enable_sleep: the policy's and critic's DeepSpeed states leave the GPU between fits

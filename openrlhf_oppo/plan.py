@@ -75,71 +75,152 @@ class Overcommit:
 
 
 @dataclass(frozen=True)
-class Plan:
-    enabled: bool = False
-    topology: Topology = Topology((), ())  # which models the run has and on which GPUs
-    max_lag: int = 0
-    streamed_roles: Tuple[str, ...] = ()
+class Carry:
+    """Inter-step overlap: B + Delta prompt groups in flight, the unfinished ones carried into later steps within
+    the lag bound."""
+
+    max_lag: int = 0  # 0: no inter-step overlap
     overcommit: Overcommit = Overcommit()
     max_defer_steps: int = 0
-    top_up: str = "step_start"
-    colocated_decode: str = "pause"
-    carry_kv: str = "recompute"
-    policy_logprobs: str = "policy"
-    critic_catch_up: str = "next_step"
-    state_moves: str = "serial"
-    frozen_scorers_on: str = "models"
-    colocate_models: bool = False
-    weight_sync: str = "staged"
+    top_up: str = "step_start"  # when new prompts start: after the weight sync, or before training
+    kv: str = "recompute"  # what carried requests do with their KV cache at a weight update (--oppo.carry_kv)
+    colocated_decode: str = "pause"  # what awake engines on the models' GPUs do while the models work
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Intra-step streaming: the models that score response chunks while vLLM decodes, and how."""
+
+    roles: Tuple[str, ...] = ()
     chunk_size: Optional[int] = None  # None: chosen each step (streaming.chunking)
-    stream_interval: int = 1
+    interval: int = 1  # tokens a request decodes between two outputs (--oppo.stream_interval)
     cache_budget_gb: float = CACHE_BUDGET_GB
     prefill_calls_in_flight: int = 2
     flush_interval_ms: float = 5.0
     max_prefill_tokens: int = 16384
     max_prefill_cached_tokens: int = 65536
-    call_timeout_s: float = 900.0
+    policy_logprobs: str = "policy"  # who computes the policy's old log-probs: its ranks, or vLLM
+    critic_catch_up: str = "next_step"
+    frozen_scorers_on: str = "models"  # the reward and reference models' GPUs under --oppo.colocate_models
+
+    @property
+    def critic_catches_up_after_fit(self) -> bool:
+        return self.critic_catch_up in ("after_fit", "next_batch")
+
+
+@dataclass(frozen=True)
+class Sync:
+    """The weight sync, the DeepSpeed state moves around it, and the placement as the run has it (after
+    ``apply_upstream_changes``)."""
+
+    mode: str = "staged"  # --oppo.weight_sync
+    bucket_mb: int = config.SYNC_BUCKET_MB
+    state_moves: str = "serial"
+    colocate_all: bool = False
+    colocate_models: bool = False
+    vllm_sleeps: bool = False
+
+
+@dataclass(frozen=True)
+class Observe:
+    """What the run records, and how long the trainer waits for an actor."""
+
     trace_dir: Optional[str] = None
     profile_step: int = 0
-    # The placement as the run has it, after apply_upstream_changes.
-    colocate_all: bool = False
-    vllm_sleeps: bool = False
-    sync_bucket_mb: int = config.SYNC_BUCKET_MB
+    call_timeout_s: float = 900.0
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The run's memory layout (what the memory estimate reads) and, where the GPU and the models' shapes are known,
+    OPPO's estimate of each GPU's peak with what the plan kept, OpenRLHF's own with the user's flags, and what was
+    dropped to fit (``Choice``s, also in ``Plan.choices``)."""
+
+    layout: Layout
+    estimate: Optional[memory.Estimate] = None
+    upstream: Optional[memory.Estimate] = None  # OpenRLHF's own run with the user's flags
+    dropped: Tuple[Choice, ...] = ()
+    strict: bool = False
+
+    @property
+    def estimated(self) -> bool:
+        return self.estimate is not None
+
+    @property
+    def fits(self) -> bool:
+        return not self.estimated or _fits(self.estimate, self.estimate.gpu_gib)
+
+    def line(self) -> str:
+        oppo, upstream = self.estimate.worst, self.upstream.worst
+        where = f"GPU {oppo.label} in {oppo.phase}"
+        head = (
+            f"memory: OPPO {oppo.peak_gib:.1f}, OpenRLHF alone {upstream.peak_gib:.1f} of "
+            f"{self.estimate.gpu_gib:.1f} GiB ({where}: {_top_parts(oppo)})"
+        )
+        if self.dropped:
+            last = {c.setting: c.value for c in self.dropped}  # the budget's last halving says where it ended
+            off = [c.value.split()[-1] for c in self.dropped if c.setting == "streaming"]
+            shown = [f"{s} {_shown(v)}" for s, v in last.items() if s != "streaming"]
+            head += "; dropped to fit: " + ", ".join(shown + ([f"streaming off for {', '.join(off)}"] if off else []))
+        return head
+
+    def warning(self) -> str:
+        """One line where even the plan's leanest run is estimated not to fit, naming the flag to change."""
+        if self.fits:
+            return ""
+        worst = self.estimate.worst
+        whose = "OpenRLHF's own layout" if not _fits(self.upstream, self.upstream.gpu_gib) else "this run"
+        return (
+            f"{whose} is estimated at {worst.peak_gib:.1f} of {self.estimate.gpu_gib:.1f} GiB on GPU {worst.label} "
+            f"in {worst.phase} ({_top_parts(worst)}); it runs as given: if it runs out of memory, change "
+            f"{self.estimate.flag} (--oppo.strict_memory refuses such a run)"
+        )
+
+
+def _top_parts(peak) -> str:
+    return ", ".join(f"{name} {gib:.1f}" for name, gib in peak.parts[:4])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run's plan: its sub-plans, each resolved once from the user's flags, and the choices that set them."""
+
+    enabled: bool = False
+    topology: Topology = Topology((), ())  # which models the run has and on which GPUs
+    carry: Carry = Carry()
+    stream: Stream = Stream()
+    sync: Sync = Sync()
+    memory: MemoryPlan = field(default=MemoryPlan(Layout(vllm_awake=True, ds_sleep=False)), compare=False)
+    observe: Observe = Observe()
     choices: Tuple[Choice, ...] = ()
     upstream_changes: Tuple[Change, ...] = ()
-    memory: Optional["MemoryPlan"] = field(default=None, compare=False)  # where the GPU and the shapes are known
-    layout: Optional[Layout] = field(default=None, compare=False)  # what the memory estimate reads
 
     @property
     def inter_step(self) -> bool:
-        return self.overcommit.auto or self.overcommit.initial > 0
+        return self.carry.overcommit.auto or self.carry.overcommit.initial > 0
 
     @property
     def engines_decode_through_sync(self) -> bool:
         """vLLM on GPUs of its own and awake: carried requests decode while the weights are sent."""
-        return not self.colocate_all and not self.vllm_sleeps
+        return not self.sync.colocate_all and not self.sync.vllm_sleeps
 
     @property
     def staged_sync(self) -> bool:
         return (
-            self.sync_bucket_mb > 0
+            self.sync.bucket_mb > 0
             and self.inter_step
             and self.engines_decode_through_sync
-            and (self.weight_sync == "staged")
+            and self.sync.mode == "staged"
         )
 
     @property
     def pauses_after_generation(self) -> bool:
         """Awake engines on the models' GPUs pause their carried requests while the step makes its experiences."""
-        return self.colocate_all and not self.vllm_sleeps and self.colocated_decode != "continue"
+        return self.sync.colocate_all and not self.sync.vllm_sleeps and self.carry.colocated_decode != "continue"
 
     @property
     def resumes_for_training(self) -> bool:
-        return self.pauses_after_generation and self.colocated_decode == "during_training"
-
-    @property
-    def critic_catches_up_after_fit(self) -> bool:
-        return self.critic_catch_up in ("after_fit", "next_batch")
+        return self.pauses_after_generation and self.carry.colocated_decode == "during_training"
 
 
 OFF = Plan()
@@ -167,9 +248,8 @@ def _resolve(args) -> Plan:
     if not oppo.enable:
         return Plan(
             topology=topology.of(work),
-            colocate_models=oppo.colocate_models,
-            colocate_all=work.train.colocate_all,
-            layout=_user_layout(work),
+            sync=Sync(colocate_all=work.train.colocate_all, colocate_models=oppo.colocate_models),
+            memory=MemoryPlan(_user_layout(work)),
         )
     if oppo.cache_budget_gb is None:
         oppo.cache_budget_gb = CACHE_BUDGET_GB
@@ -340,51 +420,6 @@ def _stages_weights(work) -> bool:
     return inter_step and apart_awake and buckets and oppo.weight_sync == "staged"
 
 
-@dataclass(frozen=True)
-class MemoryPlan:
-    """The memory plan's verdict: OPPO's estimate of each GPU's peak with what the plan kept, OpenRLHF's own with
-    the user's flags, and what was dropped to fit (``Choice``s, also in ``Plan.choices``)."""
-
-    estimate: memory.Estimate
-    upstream: memory.Estimate  # OpenRLHF's own run with the user's flags
-    dropped: Tuple[Choice, ...] = ()
-    strict: bool = False
-
-    @property
-    def fits(self) -> bool:
-        return _fits(self.estimate, self.estimate.gpu_gib)
-
-    def line(self) -> str:
-        oppo, upstream = self.estimate.worst, self.upstream.worst
-        where = f"GPU {oppo.label} in {oppo.phase}"
-        head = (
-            f"memory: OPPO {oppo.peak_gib:.1f}, OpenRLHF alone {upstream.peak_gib:.1f} of "
-            f"{self.estimate.gpu_gib:.1f} GiB ({where}: {_top_parts(oppo)})"
-        )
-        if self.dropped:
-            last = {c.setting: c.value for c in self.dropped}  # the budget's last halving says where it ended
-            off = [c.value.split()[-1] for c in self.dropped if c.setting == "streaming"]
-            shown = [f"{s} {_shown(v)}" for s, v in last.items() if s != "streaming"]
-            head += "; dropped to fit: " + ", ".join(shown + ([f"streaming off for {', '.join(off)}"] if off else []))
-        return head
-
-    def warning(self) -> str:
-        """One line where even the plan's leanest run is estimated not to fit, naming the flag to change."""
-        if self.fits:
-            return ""
-        worst = self.estimate.worst
-        whose = "OpenRLHF's own layout" if not _fits(self.upstream, self.upstream.gpu_gib) else "this run"
-        return (
-            f"{whose} is estimated at {worst.peak_gib:.1f} of {self.estimate.gpu_gib:.1f} GiB on GPU {worst.label} "
-            f"in {worst.phase} ({_top_parts(worst)}); it runs as given: if it runs out of memory, change "
-            f"{self.estimate.flag} (--oppo.strict_memory refuses such a run)"
-        )
-
-
-def _top_parts(peak) -> str:
-    return ", ".join(f"{name} {gib:.1f}" for name, gib in peak.parts[:4])
-
-
 # A streamed scorer keeps at least this much KV cache; below it, streaming goes before the cache does.
 MIN_CACHE_BUDGET_GB = 0.5
 # Which streamed role goes first where the scorers do not fit: the log-prob roles hold float32 logit rows in each
@@ -410,7 +445,7 @@ def _fit_memory(work, args, given, total, choices) -> Optional[MemoryPlan]:
         dropped.append(choice)
         estimate = _estimate(work, total)
     choices.extend(dropped)
-    memory_plan = MemoryPlan(estimate, upstream, tuple(dropped), strict=work.oppo.strict_memory)
+    memory_plan = MemoryPlan(_layout(work), estimate, upstream, tuple(dropped), strict=work.oppo.strict_memory)
     if memory_plan.strict and not memory_plan.fits:
         raise OPPOConfigError(f"this run does not fit the GPU's {total:.1f} GiB: {memory_plan.warning()}")
     return memory_plan
@@ -552,48 +587,52 @@ def _delta_max(batch: int, defer: int) -> int:
 
 def _plan_from(work, choices, changes, memory_plan) -> Plan:
     oppo = work.oppo
+    inter_step = oppo.inter_step
     return Plan(
         enabled=True,
         topology=topology.of(work, oppo.frozen_scorers_on == "generation"),
-        max_lag=oppo.max_lag if oppo.inter_step else 0,
-        streamed_roles=tuple(oppo.streamed_roles),
-        overcommit=Overcommit(
-            initial=oppo.overcommit_initial if oppo.inter_step else 0,
-            auto=oppo.overcommit == "auto",
-            rule=oppo.overcommit_rule,
-            window=oppo.overcommit_window,
-            inc=oppo.overcommit_inc,
-            dec=oppo.overcommit_dec,
-            minimum=oppo.overcommit_min,
-            maximum=oppo.overcommit_max if oppo.overcommit == "auto" else oppo.overcommit,
+        carry=Carry(
+            max_lag=oppo.max_lag if inter_step else 0,
+            overcommit=Overcommit(
+                initial=oppo.overcommit_initial if inter_step else 0,
+                auto=oppo.overcommit == "auto",
+                rule=oppo.overcommit_rule,
+                window=oppo.overcommit_window,
+                inc=oppo.overcommit_inc,
+                dec=oppo.overcommit_dec,
+                minimum=oppo.overcommit_min,
+                maximum=oppo.overcommit_max if oppo.overcommit == "auto" else oppo.overcommit,
+            ),
+            max_defer_steps=oppo.max_defer_steps,
+            top_up=oppo.top_up,
+            kv=oppo.carry_kv,
+            colocated_decode=oppo.colocated_decode,
         ),
-        max_defer_steps=oppo.max_defer_steps,
-        top_up=oppo.top_up,
-        colocated_decode=oppo.colocated_decode,
-        carry_kv=oppo.carry_kv,
-        policy_logprobs=oppo.policy_logprobs,
-        critic_catch_up=oppo.critic_catch_up,
-        state_moves=oppo.state_moves,
-        frozen_scorers_on=oppo.frozen_scorers_on,
-        colocate_models=oppo.colocate_models,
-        weight_sync=oppo.weight_sync,
-        chunk_size=None if oppo.chunk_size == "auto" else oppo.chunk_size,
-        stream_interval=oppo.stream_interval,
-        cache_budget_gb=oppo.cache_budget_gb,
-        prefill_calls_in_flight=oppo.prefill_calls_in_flight,
-        flush_interval_ms=oppo.flush_interval_ms,
-        max_prefill_tokens=oppo.max_prefill_tokens,
-        max_prefill_cached_tokens=oppo.max_prefill_cached_tokens,
-        call_timeout_s=oppo.call_timeout_s,
-        trace_dir=oppo.trace_dir,
-        profile_step=oppo.profile_step,
-        colocate_all=work.train.colocate_all,
-        vllm_sleeps=work.vllm.enable_sleep,
-        sync_bucket_mb=getattr(work.vllm, "sync_bucket_mb", config.SYNC_BUCKET_MB),
+        stream=Stream(
+            roles=tuple(oppo.streamed_roles),
+            chunk_size=None if oppo.chunk_size == "auto" else oppo.chunk_size,
+            interval=oppo.stream_interval,
+            cache_budget_gb=oppo.cache_budget_gb,
+            prefill_calls_in_flight=oppo.prefill_calls_in_flight,
+            flush_interval_ms=oppo.flush_interval_ms,
+            max_prefill_tokens=oppo.max_prefill_tokens,
+            max_prefill_cached_tokens=oppo.max_prefill_cached_tokens,
+            policy_logprobs=oppo.policy_logprobs,
+            critic_catch_up=oppo.critic_catch_up,
+            frozen_scorers_on=oppo.frozen_scorers_on,
+        ),
+        sync=Sync(
+            mode=oppo.weight_sync,
+            bucket_mb=getattr(work.vllm, "sync_bucket_mb", config.SYNC_BUCKET_MB),
+            state_moves=oppo.state_moves,
+            colocate_all=work.train.colocate_all,
+            colocate_models=oppo.colocate_models,
+            vllm_sleeps=work.vllm.enable_sleep,
+        ),
+        memory=memory_plan or MemoryPlan(_layout(work)),
+        observe=Observe(trace_dir=oppo.trace_dir, profile_step=oppo.profile_step, call_timeout_s=oppo.call_timeout_s),
         choices=tuple(choices),
         upstream_changes=tuple(changes),
-        memory=memory_plan,
-        layout=_layout(work),
     )
 
 
@@ -606,43 +645,44 @@ def apply_upstream_changes(args, plan: Plan) -> None:
 
 def describe(plan: Plan) -> str:
     """One line for the log: what OPPO does in this run, and why where the plan chose."""
+    stream, carry, sync = plan.stream, plan.carry, plan.sync
     if not plan.enabled:
-        return "OPPO off" + (" (models colocated, vLLM apart)" if plan.colocate_models else "")
+        return "OPPO off" + (" (models colocated, vLLM apart)" if sync.colocate_models else "")
     parts = [
         (
-            f"intra-step streaming to {', '.join(plan.streamed_roles)} ({plan.cache_budget_gb:g} GiB of cache each)"
-            if plan.streamed_roles
+            f"intra-step streaming to {', '.join(stream.roles)} ({stream.cache_budget_gb:g} GiB of cache each)"
+            if stream.roles
             else "no streaming"
         )
     ]
-    if plan.colocate_models:
+    if sync.colocate_models:
         parts.append(
-            f"reward and reference on the {'engines' if plan.frozen_scorers_on == 'generation' else 'models'}' GPUs"
+            f"reward and reference on the {'engines' if stream.frozen_scorers_on == 'generation' else 'models'}' GPUs"
         )
     if plan.inter_step:
-        delta = plan.overcommit
+        delta = carry.overcommit
         span = f"{delta.initial}..{delta.maximum}" if delta.auto else str(delta.initial)
         parts.append(
-            f"max lag {plan.max_lag}: Delta {span}, carried up to {plan.max_defer_steps} steps, carry_kv "
-            f"{plan.carry_kv}, top-up at {plan.top_up.replace('_', ' ')}"
+            f"max lag {carry.max_lag}: Delta {span}, carried up to {carry.max_defer_steps} steps, carry_kv "
+            f"{carry.kv}, top-up at {carry.top_up.replace('_', ' ')}"
             + {
                 "after_fit": ", the critic's catch-up after its fit",
                 "next_batch": ", the critic's catch-up of the next batch after its fit",
-            }.get(plan.critic_catch_up, "")
-            + (", decoding beside training" if plan.colocate_all and plan.colocated_decode != "pause" else "")
+            }.get(stream.critic_catch_up, "")
+            + (", decoding beside training" if sync.colocate_all and carry.colocated_decode != "pause" else "")
             + (" (not beside making experiences)" if plan.resumes_for_training else "")
         )
     else:
         parts.append("no inter-step overlap")
-    if plan.policy_logprobs == "vllm" and "policy" in plan.streamed_roles:
+    if stream.policy_logprobs == "vllm" and "policy" in stream.roles:
         parts.append("the policy's log-probs from vLLM")
-    if plan.state_moves == "overlap":
+    if sync.state_moves == "overlap":
         parts.append("state moves overlapped")
     if plan.upstream_changes:
         parts.append(
             "changed " + ", ".join(f"{c.flag} {_shown(c.given)} -> {_shown(c.planned)}" for c in plan.upstream_changes)
         )
-    if plan.memory is not None:
+    if plan.memory.estimated:
         parts.append(plan.memory.line())
     return "OPPO on: " + "; ".join(parts)
 

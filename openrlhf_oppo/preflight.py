@@ -63,7 +63,7 @@ def check(args, run_plan=None) -> None:
     _check_folders(args)
     _check_models(args)
     _check_prompt_room(args, prompt_data)
-    if run_plan.enabled and run_plan.streamed_roles:
+    if run_plan.enabled and run_plan.stream.roles:
         _check_cache_budget(args, run_plan)
 
 
@@ -604,9 +604,9 @@ def kv_bytes_per_token(path: str) -> Optional[Tuple[int, str]]:
 
 
 def _check_cache_budget(args, run_plan) -> None:
-    gib = run_plan.cache_budget_gb
+    gib = run_plan.stream.cache_budget_gb
     budget, tokens = gib * 2**30, args.data.max_len
-    for role, path in _scorer_paths(args, run_plan.streamed_roles).items():
+    for role, path in _scorer_paths(args, run_plan.stream.roles).items():
         per_token = kv_bytes_per_token(path)
         if per_token is None:
             continue

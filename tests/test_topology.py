@@ -69,14 +69,14 @@ def test_preflight_memory_placement_and_predict_agree_on_the_models_and_their_gp
     plan = resolve(args)
     topo = plan.topology
     assert topo.models == models
-    assert topo == topology.of(args, plan.frozen_scorers_on == "generation")
+    assert topo == topology.of(args, plan.stream.frozen_scorers_on == "generation")
     assert bool(topo.frozen_beside_engines) == (placement == SPLIT_FROZEN_BESIDE_VLLM)
     shown = [sorted(preflight.SHOWN.get(r, r) for r in group.roles) for group in topo.groups]
     assert [sorted(names) for names, _ in preflight.placement(topo)] == shown
     assert sum(count for _, count in preflight.placement(topo)) == topo.gpus
     shapes = {role: memory.model_shape(path) for role, path in topology.checkpoints(args).items()}
     assert set(shapes) == set(models)
-    estimate = memory.estimate(args, plan.layout, 80.0, shapes=shapes)
+    estimate = memory.estimate(args, plan.memory.layout, 80.0, shapes=shapes)
     assert [peak.label.split(" ")[0] for peak in estimate.per_gpu] == [
         g.label for g in topo.groups for _ in range(g.gpus)
     ]
@@ -84,7 +84,7 @@ def test_preflight_memory_placement_and_predict_agree_on_the_models_and_their_gp
         part.split(" ")[0] for peak in estimate.per_gpu for rows in peak.phases.values() for part, _ in rows
     }
     assert in_estimate & set(topology.ROLES) == set(models)
-    assert set(plan.streamed_roles) <= set(models)
+    assert set(plan.stream.roles) <= set(models)
     setup = setup_of(args, prompt_tokens=64)
     assert setup.roles == models and set(setup.trained) == set(models) & {"policy", "critic"}
     assert setup.colocated == any(topology.ENGINES in g.roles and "policy" in g.roles for g in topo.groups)
