@@ -69,7 +69,7 @@ def configure(args) -> None:
     print(f"[openrlhf-oppo] {plan.describe(run_plan)}", flush=True)
     if run_plan.memory.warning():
         print(f"[openrlhf-oppo] warning: {run_plan.memory.warning()}", flush=True)
-    config.warn_of_the_first_tokens_log_prob(args)
+    preflight.warn_of_the_first_tokens_log_prob(args)
     preflight.check(args, run_plan)  # what the flags point at: datasets, folders, models, the cache budget
     if args.oppo.colocate_models:
         # Upstream's experience maker and trainer then treat the shared GPUs as colocated. A patched upstream's

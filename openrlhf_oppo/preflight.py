@@ -6,7 +6,8 @@ they name, which would otherwise fail minutes later inside a Ray actor with a tr
 
 * ``check_flags`` runs first, from ``extension.configure`` before the plan: the batch and length flags upstream would stop on after Ray
   started (an assertion, vLLM refusing the first request) or take silently (a training batch larger than a step's
-  samples, a response limit that leaves a prompt no room).
+  samples, a response limit that leaves a prompt no room); ``warn_of_the_first_tokens_log_prob`` warns of a
+  biased importance correction.
 * ``check`` runs from ``extension.configure`` on every run through OPPO's CLI or upstream's patched driver,
   OPPO on or off (a missing dataset fails upstream's runs as late as OPPO's), and in ``parse_args``:
   - datasets (``--data.prompt_dataset``, ``--eval.dataset``; comma-separated lists too): a local file or folder
@@ -431,6 +432,22 @@ def check_flags(args, train_batch_given: bool = True) -> None:
             f"--rollout.micro_batch_size {rollout.micro_batch_size}, fewer than the actor's {ranks} ranks, and "
             "each needs one: give more prompts a step or a smaller --rollout.micro_batch_size."
         )
+
+
+def warn_of_the_first_tokens_log_prob(args) -> None:
+    """OpenRLHF samples with vLLM's min_tokens=1, which masks the end of text at the first token; with the
+    importance correction on, vLLM's log-prob of that token (pi_rollout) then leaves out the end of text's
+    probability, and a response that ends there is never sampled, so never corrected. Patch 0015 makes it
+    ``--rollout.min_new_tokens``."""
+    if args.algo.advantage.is_correction_level == "off" or getattr(args.rollout, "min_new_tokens", 1) < 1:
+        return
+    fix = "--rollout.min_new_tokens 0" if hasattr(args.rollout, "min_new_tokens") else "patches/openrlhf/0015"
+    print(
+        f"[openrlhf-oppo] warning: --algo.advantage.is_correction_level {args.algo.advantage.is_correction_level} "
+        "with responses of at least one token: vLLM's log-prob of the first token leaves out the end of text's "
+        f"probability, so the correction is biased there and can drift the policy towards it ({fix} removes it).",
+        flush=True,
+    )
 
 
 def _check_prompt_room(args, prompt_data: List[Tuple[str, _Read]]) -> None:
