@@ -130,6 +130,20 @@ def test_resolving_never_writes_into_the_parsed_namespace(models):
     assert resolve(fresh) is resolve(fresh)  # once per namespace
 
 
+def test_the_memory_plan_weighs_its_candidates_without_touching_the_flags(models):
+    """Under the hybrid engine on one H200 the plan tries vLLM awake beside the models: the candidates are layouts,
+    and OpenRLHF's flags change only where apply_upstream_changes writes the one it kept."""
+    hybrid = ["--vllm.enable_sleep", "--ds.enable_sleep", "--oppo.enable"] + H200
+    args = parse_args(_colocated(models["qwen2.5-1.5b"], 2048, *hybrid))
+    fresh = copy.deepcopy(args)
+    for change in resolve(args).upstream_changes:  # parse_args applied them: the user's flags again
+        group, name = change.flag[2:].split(".", 1)
+        setattr(getattr(fresh, group), name, change.given)
+    before = json.dumps(fresh, default=vars, sort_keys=True)
+    plan = resolve(fresh)
+    assert plan.upstream_changes and json.dumps(fresh, default=vars, sort_keys=True) == before
+
+
 def test_the_hybrid_engine_stays_where_the_plan_has_no_gpu_to_measure(models):
     """On a machine without a GPU (and no --oppo.gpu_memory_gb), the memory plan cannot say what fits: the user's
     sleep flags stay, and so does upstream's memory share."""
@@ -296,3 +310,13 @@ def test_a_run_that_does_not_fit_runs_with_a_warning_unless_strict(models):
 def test_a_deferral_limit_given_alone_sets_the_lag_bound(models):
     plan = resolve(parse_args(_split(models["qwen2.5-1.5b"], 2) + ["--oppo.enable", "--oppo.max_defer_steps", "4"]))
     assert (plan.carry.max_defer_steps, plan.carry.max_lag) == (4, 4)
+    assert [c.reason for c in plan.choices if c.setting == "overcommit"] == ["max lag 4: groups carried up to 4 steps"]
+
+
+@pytest.mark.parametrize("off", [["--oppo.max_lag", "0"], ["--oppo.overcommit", "0"]])
+def test_a_rule_for_delta_without_inter_step_overlap_names_what_turned_it_off(models, off):
+    argv = _split(models["qwen2.5-1.5b"], 2) + ["--oppo.enable", *off, "--oppo.overcommit_rule", "reward_slope"]
+    with pytest.raises(
+        OPPOConfigError, match=r"^--oppo.overcommit_rule tunes inter-step overlap, which --oppo.overcommit 0 "
+    ):
+        parse_args(argv)
