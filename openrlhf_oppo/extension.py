@@ -93,20 +93,21 @@ def configure(args) -> None:
     run_plan = plan.resolve(args)
     plan.apply_upstream_changes(args, run_plan)
     print(f"[openrlhf-oppo] {plan.describe(run_plan)}", flush=True)
-    if run_plan.memory is not None and run_plan.memory.warning():
+    if run_plan.memory.warning():
         print(f"[openrlhf-oppo] warning: {run_plan.memory.warning()}", flush=True)
-    config.warn_of_the_first_tokens_log_prob(args)
+    preflight.warn_of_the_first_tokens_log_prob(args)
     preflight.check(args, run_plan)  # what the flags point at: datasets, folders, models, the cache budget
     if args.oppo.colocate_models:
-        # Upstream's experience maker and trainer then treat the shared GPUs as colocated; a patched upstream's
-        # train() places the models from these flags (patch 0002), the wrapper from placement.train.
+        # Upstream's experience maker and trainer then treat the shared GPUs as colocated. A patched upstream's
+        # train() places the models from these flags (patch 0002), which is why the plan's topology is written
+        # into its namespace; OPPO's own code (placement.train, the preflight) reads the plan.
         args.train.colocate_models = args.train.colocate_actor_ref = args.train.colocate_critic_reward = True
-        args.train.frozen_models_with_vllm = run_plan.frozen_scorers_on == "generation"
+        args.train.frozen_models_with_vllm = bool(run_plan.topology.frozen_beside_engines)
     if not (run_plan.enabled or _tool_settings()):
         return
     from openrlhf_oppo.streaming.rollout import BoundActorClass, OPPORolloutRayActor, with_config
 
-    rollout = _rollout_config(run_plan.stream_interval)
+    rollout = _rollout_config(run_plan.stream.interval)
     components = sys.modules["__main__"].__dict__.get("COMPONENTS")
     if components is None:
         # The unpatched driver: install() swapped the classes before the options were parsed. Bind the plan to

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Dict, Optional, Tuple
 
-from openrlhf_oppo import topology
+from openrlhf_oppo import config, topology
 from openrlhf_oppo.topology import FROZEN, LOG_PROBS
 
 GIB = 2**30
@@ -146,8 +146,8 @@ def shapes_from_args(args) -> Optional[Dict[str, ModelShape]]:
 
 @dataclass(frozen=True)
 class Layout:
-    """The memory-relevant choices of a run, which the planner may change (``Plan.layout``: a run's, as its plan
-    resolved them)."""
+    """The memory-relevant choices of a run, which the planner may change (``Plan.memory.layout``: a run's, as its
+    plan resolved them)."""
 
     vllm_awake: bool  # the engines keep their share through training (no --vllm.enable_sleep)
     ds_sleep: bool  # --ds.enable_sleep: the policy's and critic's DeepSpeed states leave the GPU between fits
@@ -207,14 +207,6 @@ class Estimate:
             f"({top}): change {self.flag}"
         )
         return f"memory: {'fits, ' if self.fits else 'does not fit: '}{head}"
-
-
-def _option(args, name: str):
-    """An ``--oppo.*`` option as the run has it: given, or its default (the parsed namespace keeps None)."""
-    from openrlhf_oppo.config import ALL_OPTIONS
-
-    value = getattr(args.oppo, name, None)
-    return ALL_OPTIONS[name][1] if value is None else value
 
 
 TRAINABLE = ("critic", "policy")  # upstream's order of the fits under --ds.enable_sleep
@@ -304,9 +296,9 @@ class _Sizes:
     def prefill(self, role: str) -> float:
         """One streamed prefill pass: ``--oppo.max_prefill_tokens`` new tokens over the gathered cache, and the
         float32 logit rows of the log-prob roles."""
-        shape = self.shapes[role]
-        work = _option(self.args, "max_prefill_tokens") * (shape.forward_bytes_per_token + shape.kv_bytes_per_token)
-        work += _option(self.args, "max_prefill_cached_tokens") * shape.kv_bytes_per_token
+        shape, options = self.shapes[role], config.values(self.args.oppo)
+        work = options.max_prefill_tokens * (shape.forward_bytes_per_token + shape.kv_bytes_per_token)
+        work += options.max_prefill_cached_tokens * shape.kv_bytes_per_token
         if role in LOG_PROBS:
             work += SCORER_LOGIT_ROWS * shape.vocab_size * 10  # bf16 and float32 rows, float32 log-softmax
         return PREFILL_SLACK * work + self.gathered(role)

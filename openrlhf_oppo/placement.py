@@ -9,7 +9,8 @@ can only colocate everything.
 Upstream builds its placement groups inline in ``openrlhf/cli/train_ppo_ray.py:train`` (0.11.2), with no
 hook for another placement, so ``train`` below is COPIED from upstream 0.11.2. Every change is marked
 ``OPPO change``; ``patches/openrlhf/0002-colocate-models-placement.patch`` adds the
-``--train.colocate_models`` and ``--train.frozen_models_with_vllm`` flags that would retire this copy.
+``--train.colocate_models`` and ``--train.frozen_models_with_vllm`` flags that would retire this copy. Where the
+frozen models go is the plan's topology (``Plan.topology``), as the preflight and the memory estimate read it.
 """
 
 import os
@@ -19,6 +20,8 @@ from openrlhf.trainer.ray import create_vllm_engines, launcher, ppo_actor, ppo_c
 from openrlhf.trainer.ray.launcher import RayActorGroup
 from openrlhf.utils import get_strategy
 from ray.util.placement_group import placement_group
+
+from openrlhf_oppo.plan import resolve
 
 # The actor classes are read from their modules when ``train`` runs (``launcher.RewardModelActor``, ...),
 # so that the subclasses extension.py swaps in are the ones used.
@@ -56,7 +59,7 @@ def train(args):
     # colocate_critic_reward, both removed here), and, with the frozen models beside vLLM, one for the
     # engines' GPUs (upstream lets create_vllm_engines make it). plan.resolve checked the GPU counts. ---
     pg = _gpu_group(args.actor.num_nodes * args.actor.num_gpus_per_node)
-    frozen_with_vllm = getattr(args.train, "frozen_models_with_vllm", False)  # extension.configure, from the plan
+    frozen_with_vllm = bool(resolve(args).topology.frozen_beside_engines)  # the plan extension.configure printed
     vllm_pg = _gpu_group(args.vllm.num_engines * args.vllm.tensor_parallel_size) if frozen_with_vllm else None
 
     # init vLLM engine for text generation

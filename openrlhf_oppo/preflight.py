@@ -6,7 +6,8 @@ they name, which would otherwise fail minutes later inside a Ray actor with a tr
 
 * ``check_flags`` runs first, from ``extension.configure`` before the plan: the batch and length flags upstream would stop on after Ray
   started (an assertion, vLLM refusing the first request) or take silently (a training batch larger than a step's
-  samples, a response limit that leaves a prompt no room).
+  samples, a response limit that leaves a prompt no room); ``warn_of_the_first_tokens_log_prob`` warns of a
+  biased importance correction.
 * ``check`` runs from ``extension.configure`` on every run through OPPO's CLI or upstream's patched driver,
   OPPO on or off (a missing dataset fails upstream's runs as late as OPPO's), and in ``parse_args``:
   - datasets (``--data.prompt_dataset``, ``--eval.dataset``; comma-separated lists too): a local file or folder
@@ -39,6 +40,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from openrlhf_oppo import topology
 from openrlhf_oppo.config import OPPOConfigError
+from openrlhf_oppo.plan import resolve
 
 # The file types upstream's blending_datasets loads as local files (openrlhf/datasets/utils.py).
 DATA_FILES = (".json", ".jsonl", ".csv", ".parquet", ".arrow")
@@ -57,14 +59,12 @@ KV_BYTES = 2
 def check(args, run_plan=None) -> None:
     """Every check of the files and folders the flags name; raises the first problem found. ``run_plan``: the
     run's plan (``plan.resolve``), whose streamed roles and cache budget are checked."""
-    from openrlhf_oppo.plan import resolve
-
     run_plan = run_plan or resolve(args)
     prompt_data = _check_datasets(args)
     _check_folders(args)
     _check_models(args)
     _check_prompt_room(args, prompt_data)
-    if run_plan.enabled and run_plan.streamed_roles:
+    if run_plan.enabled and run_plan.stream.roles:
         _check_cache_budget(args, run_plan)
 
 
@@ -434,6 +434,22 @@ def check_flags(args, train_batch_given: bool = True) -> None:
         )
 
 
+def warn_of_the_first_tokens_log_prob(args) -> None:
+    """OpenRLHF samples with vLLM's min_tokens=1, which masks the end of text at the first token; with the
+    importance correction on, vLLM's log-prob of that token (pi_rollout) then leaves out the end of text's
+    probability, and a response that ends there is never sampled, so never corrected. Patch 0015 makes it
+    ``--rollout.min_new_tokens``."""
+    if args.algo.advantage.is_correction_level == "off" or getattr(args.rollout, "min_new_tokens", 1) < 1:
+        return
+    fix = "--rollout.min_new_tokens 0" if hasattr(args.rollout, "min_new_tokens") else "patches/openrlhf/0015"
+    print(
+        f"[openrlhf-oppo] warning: --algo.advantage.is_correction_level {args.algo.advantage.is_correction_level} "
+        "with responses of at least one token: vLLM's log-prob of the first token leaves out the end of text's "
+        f"probability, so the correction is biased there and can drift the policy towards it ({fix} removes it).",
+        flush=True,
+    )
+
+
 def _check_prompt_room(args, prompt_data: List[Tuple[str, _Read]]) -> None:
     """The longest prompt read and --rollout.max_new_tokens fit --data.max_len: upstream cuts a longer prompt from
     its left, saying so only in the engine's log. Measured with the actor's tokenizer where it is a local folder."""
@@ -605,9 +621,9 @@ def kv_bytes_per_token(path: str) -> Optional[Tuple[int, str]]:
 
 
 def _check_cache_budget(args, run_plan) -> None:
-    gib = run_plan.cache_budget_gb
+    gib = run_plan.stream.cache_budget_gb
     budget, tokens = gib * 2**30, args.data.max_len
-    for role, path in _scorer_paths(args, run_plan.streamed_roles).items():
+    for role, path in _scorer_paths(args, run_plan.stream.roles).items():
         per_token = kv_bytes_per_token(path)
         if per_token is None:
             continue
@@ -630,22 +646,10 @@ def _round_up(gib: float) -> str:
 # -- the placement -----------------------------------------------------------------------------------------------
 
 
-def placement(args) -> List[Tuple[List[str], int]]:
-    """The GPU groups the run asks Ray for: (the models and engines sharing the group, its GPUs).
-
-    Upstream's ``train`` (0.11.2): the actor has its GPUs; the reference shares them under
-    ``--train.colocate_actor_ref`` or ``--train.colocate_all``; the critic and the reward share the critic's under
-    ``--train.colocate_critic_reward``, else the actor's under ``--train.colocate_all``; the vLLM engines share the
-    actor's under ``--train.colocate_all`` (not in async mode); any other has GPUs of its own. With
-    ``--oppo.colocate_models`` (``placement.train``) every model is on the actor's GPUs and the engines on their
-    own, the reward and reference beside the engines under ``--oppo.frozen_scorers_on generation``.
-    """
-
-    frozen_beside_vllm = bool(getattr(args.train, "frozen_models_with_vllm", False))  # extension.configure's
-    return [
-        ([SHOWN.get(role, role) for role in group.roles], group.gpus)
-        for group in topology.of(args, frozen_beside_vllm).groups
-    ]
+def placement(run_topology: topology.Topology) -> List[Tuple[List[str], int]]:
+    """The GPU groups the run asks Ray for: (the models and engines sharing the group, its GPUs), from the plan's
+    topology (``topology.of``: upstream's ``train``, or ``placement.train`` under ``--oppo.colocate_models``)."""
+    return [([SHOWN.get(role, role) for role in group.roles], group.gpus) for group in run_topology.groups]
 
 
 # The models and engines by the names of their option groups, as the placement's line shows them.
@@ -666,7 +670,7 @@ def local_machine() -> Dict[str, float]:
 def check_resources(args, have: Dict[str, float], where: str) -> None:
     """The placement's GPUs, and a CPU for each of them (each GPU's bundle takes one) plus one for the trainer
     actor, against ``have`` (Ray's resource totals)."""
-    groups = placement(args)
+    groups = placement(resolve(args).topology)
     gpus = sum(count for _, count in groups)
     has = f"{have.get('GPU', 0):g}"
     shown = "; ".join(f"{' + '.join(names)}: {count}" for names, count in groups)

@@ -38,6 +38,13 @@ class Topology:
     def gpus(self) -> int:
         return sum(group.gpus for group in self.groups)
 
+    @property
+    def frozen_beside_engines(self) -> Tuple[str, ...]:
+        """The models on the engines' own GPUs, where no model trains (``--oppo.frozen_scorers_on generation``):
+        they prefill beside decoding, and training leaves them alone."""
+        apart = [group for group in self.groups if ENGINES in group.roles and "policy" not in group.roles]
+        return tuple(role for group in apart for role in group.roles if role != ENGINES)
+
 
 def models(args) -> Tuple[str, ...]:
     """The models upstream's ``train`` creates: the critic for GAE only, a reward model unless the reward comes

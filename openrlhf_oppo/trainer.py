@@ -24,7 +24,7 @@ from openrlhf_oppo.lengths import LengthStats
 from openrlhf_oppo.overcommit.controller import OvercommitController, ThroughputController
 from openrlhf_oppo.overcommit.sampler import OvercommitSamplesGenerator
 from openrlhf_oppo.plan import describe
-from openrlhf_oppo.protocol import FROZEN_ROLES, ROLES, ResourceReading, ScorerSettings, StreamSettings
+from openrlhf_oppo.protocol import ROLES, ResourceReading, ScorerSettings, StreamSettings
 from openrlhf_oppo.samples import OPPOSamplesGenerator
 from openrlhf_oppo.streaming.chunking import ChunkSizeController
 from openrlhf_oppo.trace import Tracer, write_trace
@@ -70,11 +70,11 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         )
         oppo = self.plan
         logger.info(describe(self.plan))
-        self.tracer = Tracer(enabled=oppo.trace_dir is not None, process="trainer")
+        self.tracer = Tracer(enabled=oppo.observe.trace_dir is not None, process="trainer")
         self.policy_version = 0
         self.weight_sync_metrics = {}
         self.cpu_seconds = {}  # (kind, index) -> CPU seconds at the last step: oppo/cpu/* is per step
-        self.chunk_controller = ChunkSizeController(fixed=oppo.chunk_size)
+        self.chunk_controller = ChunkSizeController(fixed=oppo.stream.chunk_size)
         groups = dict(
             policy=actor_model_group,
             critic=critic_model_group,
@@ -83,14 +83,14 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         )
         self.coordinator = StreamCoordinator(
             vllm_engines,
-            {role: groups[role] for role in oppo.streamed_roles},
-            timeout_s=oppo.call_timeout_s,
-            beside_vllm=FROZEN_ROLES if oppo.frozen_scorers_on == "generation" else (),
-            scored_by_engines=("policy",) if oppo.policy_logprobs == "vllm" else (),
+            {role: groups[role] for role in oppo.stream.roles},
+            timeout_s=oppo.observe.call_timeout_s,
+            beside_vllm=oppo.topology.frozen_beside_engines,
+            scored_by_engines=("policy",) if oppo.stream.policy_logprobs == "vllm" else (),
             every_model=groups,
         )
         self.samples_generator = self._make_samples_generator(strategy, vllm_engines)
-        if oppo.streamed_roles:
+        if oppo.stream.roles:
             self.experience_maker = StreamingExperienceMaker(
                 actor_model_group,
                 critic_model_group,
@@ -124,19 +124,19 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         if not oppo.inter_step:
             return OPPOSamplesGenerator(**kwargs)
         bounds = dict(
-            initial=oppo.overcommit.initial,
-            auto=oppo.overcommit.auto,
-            window=oppo.overcommit.window,
-            inc=oppo.overcommit.inc,
-            dec=oppo.overcommit.dec,
-            minimum=oppo.overcommit.minimum,
-            maximum=oppo.overcommit.maximum,
+            initial=oppo.carry.overcommit.initial,
+            auto=oppo.carry.overcommit.auto,
+            window=oppo.carry.overcommit.window,
+            inc=oppo.carry.overcommit.inc,
+            dec=oppo.carry.overcommit.dec,
+            minimum=oppo.carry.overcommit.minimum,
+            maximum=oppo.carry.overcommit.maximum,
         )
-        if oppo.overcommit.rule == "throughput":
+        if oppo.carry.overcommit.rule == "throughput":
             controller = ThroughputController(batch=args.rollout.batch_size, **bounds)
         else:
             controller = OvercommitController(**bounds)
-        return OvercommitSamplesGenerator(**kwargs, controller=controller, max_defer_steps=oppo.max_defer_steps)
+        return OvercommitSamplesGenerator(**kwargs, controller=controller, max_defer_steps=oppo.carry.max_defer_steps)
 
     # -- set-up once the models are loaded ----------------------------------------------------
 
@@ -144,17 +144,17 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         oppo = self.plan
         self.coordinator.connect(
             ScorerSettings(
-                cache_budget_bytes=int(oppo.cache_budget_gb * 2**30),
+                cache_budget_bytes=int(oppo.stream.cache_budget_gb * 2**30),
                 temperature=self.args.rollout.temperature,
-                max_tokens_per_forward=oppo.max_prefill_tokens,
-                max_cached_tokens_per_forward=oppo.max_prefill_cached_tokens,
+                max_tokens_per_forward=oppo.stream.max_prefill_tokens,
+                max_cached_tokens_per_forward=oppo.stream.max_prefill_cached_tokens,
                 trace=self.tracer.enabled,
             ),
             StreamSettings(
                 chunk_size=self.chunk_controller.chunk_size,
                 salt_prompts=oppo.inter_step,
-                calls_in_flight=oppo.prefill_calls_in_flight,
-                flush_interval_s=oppo.flush_interval_ms / 1000,
+                calls_in_flight=oppo.stream.prefill_calls_in_flight,
+                flush_interval_s=oppo.stream.flush_interval_ms / 1000,
                 trace=self.tracer.enabled,
             ),
             affinity=self._frozen_affinity(),
@@ -164,11 +164,9 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
     def _frozen_affinity(self) -> dict:
         """With the frozen models on the engines' GPUs, each engine streams to the rank on its own first GPU
         (placement.train puts rank r and engine r // TP on bundle r of the engines' placement group)."""
-        if self.plan.frozen_scorers_on != "generation":
-            return {}
         tp = self.args.vllm.tensor_parallel_size
         first_gpus = [engine * tp for engine in range(len(self.vllm_engines))]
-        return {role: first_gpus for role in FROZEN_ROLES}
+        return {role: first_gpus for role in self.plan.topology.frozen_beside_engines}
 
     # -- one step -----------------------------------------------------------------------------------
 
@@ -221,7 +219,7 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         with self._timed("end_of_generation"):
             with self.tracer.span("hold", track="trainer"):
                 self.coordinator.hold()
-            if self.plan.top_up == "step_end":
+            if self.plan.carry.top_up == "step_end":
                 with self.tracer.span("top_up", track="trainer"):
                     self.samples_generator.top_up_next_step(self.generate_kwargs)
             self.engines_after_generation()
@@ -271,7 +269,7 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
                 return self.experience_maker.make_experience_batch(rollout_samples)
             streamed = self.experience_maker.collect_scores(rollout_samples)
             oppo = self.plan
-            if streamed.collected and oppo.state_moves == "overlap" and "critic" in oppo.streamed_roles:
+            if streamed.collected and oppo.sync.state_moves == "overlap" and "critic" in oppo.stream.roles:
                 self._prefetch_critic_states()
             return self.experience_maker.make_experience_batch(rollout_samples, streamed)
 
@@ -338,7 +336,7 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         """The step's spans, this process's and every actor's, in one file (``--oppo.trace_dir``)."""
         if self.tracer.enabled:
             events = self.tracer.drain() + self.coordinator.drain_traces()
-            write_trace(os.path.join(self.plan.trace_dir, f"step_{global_step:05d}.json"), events)
+            write_trace(os.path.join(self.plan.observe.trace_dir, f"step_{global_step:05d}.json"), events)
 
     def _policy_lag(self, rollout_samples) -> dict:
         """How many weight versions the first token of each sample is behind the policy it trains (0: on-policy),
@@ -350,15 +348,15 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         ]
         if not lags:
             return {}
-        if self.plan.inter_step and max(lags) > self.plan.max_lag:
+        if self.plan.inter_step and max(lags) > self.plan.carry.max_lag:
             raise RuntimeError(
                 f"a sample {max(lags)} weight versions behind reached training, above --oppo.max_lag "
-                f"{self.plan.max_lag}"
+                f"{self.plan.carry.max_lag}"
             )
         return {
             "oppo/policy_lag_mean": sum(lags) / len(lags),
             "oppo/policy_lag_max": float(max(lags)),
-            "oppo/max_lag": float(self.plan.max_lag),
+            "oppo/max_lag": float(self.plan.carry.max_lag),
         }
 
     def _oppo_metrics(self, status) -> dict:
@@ -372,7 +370,7 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
             metrics.update(self._update_chunk_size(stats))
             metrics.update(scorer_metrics(stats))
         metrics.update(resource_metrics(self.coordinator.resources(), self.cpu_seconds))
-        if self.plan.memory is not None:
+        if self.plan.memory.estimated:
             # The memory plan's estimate of the fullest GPU, beside what the actors hold (oppo/memory/*_gpu_*).
             metrics["oppo/memory/estimate_gb"] = self.plan.memory.estimate.worst.peak_gib
             metrics["oppo/memory/upstream_estimate_gb"] = self.plan.memory.upstream.worst.peak_gib
@@ -402,7 +400,7 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         ``--oppo.state_moves overlap`` (which needs sleep mode) ``_train_overlapping_state_moves``."""
         if self.args.ds.enable_sleep:
             # --- OPPO change: the states' moves beside the other model's fit. ---
-            if self.plan.state_moves == "overlap" and self.critic_model_group is not None:
+            if self.plan.sync.state_moves == "overlap" and self.critic_model_group is not None:
                 return self._train_overlapping_state_moves(global_steps)  # --oppo.critic_catch_up too
             return super().ppo_train(global_steps)
 
@@ -418,7 +416,7 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         # hook while the policy may still train. ---
         for result in ray.get(critic_refs):
             status.update(result)
-        if run_critic and self.plan.critic_catches_up_after_fit:
+        if run_critic and self.plan.stream.critic_catches_up_after_fit:
             status.update(self._critic_catch_up())
         for result in ray.get(actor_refs):
             status.update(result)
@@ -430,7 +428,7 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         after each update of its weights, so the others' would be prefilled twice. They stay held until that
         step's ``make_experience`` sends those of its batch (an overdue group that took the place of one included)."""
         streams = None
-        if self.plan.critic_catch_up == "next_batch":
+        if self.plan.stream.critic_catch_up == "next_batch":
             streams = self.samples_generator.next_batch_streams()
         self.coordinator.catch_up("critic", streams)
         return {"oppo/critic_catch_up_batch_only": float(streams is not None)}
@@ -464,7 +462,7 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         status.update(ray.get(critic_fit)[0])
         # --- OPPO change: the critic's states go back during the policy's fit (upstream: before its reload). ---
         critic_offload = critic.async_run_method(method_name="offload_states")
-        if self.plan.critic_catches_up_after_fit:
+        if self.plan.stream.critic_catches_up_after_fit:
             # Its weights are final: its held chunks are scored beside the policy's fit (the calls queue behind the
             # offload, which leaves the weights on the GPU).
             status.update(self._critic_catch_up())
@@ -492,8 +490,8 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
             self.weight_sync_metrics = self.coordinator.sync_weights(
                 super().broadcast_to_vllm,
                 staged=self.plan.staged_sync,
-                pause=oppo.inter_step and not oppo.vllm_sleeps,
-                clear_cache=oppo.carry_kv == "recompute",
+                pause=oppo.inter_step and not oppo.sync.vllm_sleeps,
+                clear_cache=oppo.carry.kv == "recompute",
                 weight_version=self.policy_version,
             )
         self._offload_policy_states()

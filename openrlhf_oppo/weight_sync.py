@@ -53,7 +53,7 @@ class SyncPlan:
     def of(cls, plan) -> "SyncPlan":
         """``--vllm.sync_bucket_mb`` (patch 0007's flag; 512 MB where upstream lacks it) and ``--oppo.weight_sync``:
         staging pays only where the engines decode through the sync (``Plan.staged_sync``)."""
-        return cls(int(plan.sync_bucket_mb) << 20, plan.staged_sync)
+        return cls(int(plan.sync.bucket_mb) << 20, plan.staged_sync)
 
 
 # -- buckets ------------------------------------------------------------------------------------------

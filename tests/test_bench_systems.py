@@ -60,16 +60,16 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, bench_work
     if system.startswith("oppo"):
         plan = resolve(args)
         assert plan.inter_step == (system != "oppo-intra")
-        assert plan.top_up == ("step_end" if system in ("oppo-both-early",) + AWAKE else "step_start")
+        assert plan.carry.top_up == ("step_end" if system in ("oppo-both-early",) + AWAKE else "step_start")
         assert args.vllm.enable_sleep == (placement == "colocated" and system not in AWAKE)
-        assert plan.colocated_decode == ("during_training" if system in AWAKE else "pause")
+        assert plan.carry.colocated_decode == ("during_training" if system in AWAKE else "pause")
         # Under the hybrid engine, with no GPU to plan its memory against, the plan keeps vLLM asleep: no streaming.
         hybrid_default = system in FLAG_SWAP and placement == "colocated"
-        assert bool(plan.streamed_roles) == (system not in INTER_ONLY and not hybrid_default)
+        assert bool(plan.stream.roles) == (system not in INTER_ONLY and not hybrid_default)
         # The frozen models go beside vLLM wherever they stream in the split placement.
         beside_vllm = placement == "split" and system not in ("oppo-inter", "oppo-both-frozen-with-models")
-        assert plan.frozen_scorers_on == ("generation" if beside_vllm else "models")
-        assert plan.carry_kv == ("keep" if system in KEEP_KV else "recompute")
+        assert plan.stream.frozen_scorers_on == ("generation" if beside_vllm else "models")
+        assert plan.carry.kv == ("keep" if system in KEEP_KV else "recompute")
     if placement == "split":
         assert args.vllm.num_engines == gpus // 2 and args.actor.num_gpus_per_node == gpus // 2
     # The run asks Ray for the benchmark's GPUs, no more (a CPU for each and one for the trainer), none fewer.
@@ -149,8 +149,8 @@ def test_four_gpu_split_under_zero3_streams_every_role(bench_workdir):
     assert args.ds.zero_stage == 3 and args.ds.adam_offload and args.vllm.gpu_memory_utilization == 0.6
     assert args.rollout.micro_batch_size == 32 and args.train.micro_batch_size == 8
     plan = resolve(args)
-    assert plan.streamed_roles == ("policy", "critic", "reward", "reference")
-    assert plan.frozen_scorers_on == "generation" and args.reward.num_gpus_per_node == 2
+    assert plan.stream.roles == ("policy", "critic", "reward", "reference")
+    assert plan.stream.frozen_scorers_on == "generation" and args.reward.num_gpus_per_node == 2
 
 
 @pytest.mark.parametrize("system", ["upstream-sync", "upstream-async", "oppo-both", "oppo-inter"])
@@ -166,7 +166,7 @@ def test_models_on_three_gpus_and_vllm_on_one(system, bench_workdir):
     beside_vllm = system == "oppo-both"
     assert args.reward.num_gpus_per_node == args.ref.num_gpus_per_node == (1 if beside_vllm else 3)
     if system.startswith("oppo"):
-        assert resolve(args).frozen_scorers_on == ("generation" if beside_vllm else "models")
+        assert resolve(args).stream.frozen_scorers_on == ("generation" if beside_vllm else "models")
 
 
 @pytest.mark.parametrize(
@@ -233,8 +233,8 @@ def test_learning_benchmark_run_is_a_valid_command(placement, system, bench_work
         # swap of the hybrid engine, with no GPU to plan against, keeps vLLM asleep and streams nothing.
         plan = resolve(args)
         streamed = ("policy", "reference") if placement == "split" else ("reference",)
-        assert plan.streamed_roles == (() if system in FLAG_SWAP and placement == "colocated" else streamed)
-        assert plan.carry_kv == ("keep" if system in KEEP_KV else "recompute")
+        assert plan.stream.roles == (() if system in FLAG_SWAP and placement == "colocated" else streamed)
+        assert plan.carry.kv == ("keep" if system in KEEP_KV else "recompute")
 
 
 @pytest.mark.parametrize(
@@ -280,7 +280,7 @@ def test_group_norm_benchmark_drops_the_critic(system, bench_workdir):
     assert args.rollout.n_samples_per_prompt == 4 and args.train.batch_size == 64
     assert args.actor.gradient_checkpointing_enable  # the speed benchmark's shapes train with it
     if system == "oppo-both":
-        assert resolve(args).streamed_roles == ("policy", "reward", "reference") and args.oppo.overcommit == 8
+        assert resolve(args).stream.roles == ("policy", "reward", "reference") and args.oppo.overcommit == 8
 
 
 def test_bimodal_workload_takes_its_two_lengths_and_their_share():

@@ -260,7 +260,7 @@ def test_colocated_engines_pause_carried_requests_in_training_unless_they_contin
     plan = resolve(parse_args(BASE + ["--oppo.enable", "--oppo.overcommit", "4"] + flags))
     assert plan.pauses_after_generation == pauses
     assert plan.resumes_for_training == resumes
-    beside = plan.colocate_all and plan.colocated_decode != "pause"
+    beside = plan.sync.colocate_all and plan.carry.colocated_decode != "pause"
     assert ("decoding beside training" in describe(plan)) == beside
     assert ("not beside making experiences" in describe(plan)) == resumes
 
@@ -363,20 +363,24 @@ def test_seed_prompt_order_fixes_the_order_upstream_leaves_to_chance(fresh_proce
     ],
 )
 def test_which_roles_stream(extra, streamed):
-    assert list(resolve(parse_args(BASE + ["--oppo.enable"] + extra)).streamed_roles) == streamed
+    assert list(resolve(parse_args(BASE + ["--oppo.enable"] + extra)).stream.roles) == streamed
 
 
 @pytest.mark.parametrize(
     "extra, interval", [([], 16), (["--oppo.chunk_size", "8"], 8), (["--oppo.stream_interval", "1"], 1)]
 )
 def test_the_stream_interval_never_exceeds_the_smallest_chunk(extra, interval):
-    assert resolve(parse_args(BASE + ["--oppo.enable"] + extra)).stream_interval == interval
+    assert resolve(parse_args(BASE + ["--oppo.enable"] + extra)).stream.interval == interval
 
 
 def test_overcommit_defaults_follow_the_batch_size_and_the_lag_bound():
     plan = resolve(parse_args(BASE + ["--oppo.enable"]))
-    assert plan.inter_step and plan.overcommit.auto and plan.max_lag == 3
-    assert (plan.overcommit.initial, plan.overcommit.maximum, plan.max_defer_steps) == (16, 32, 3)  # B, 2B for B=16
+    assert plan.inter_step and plan.carry.overcommit.auto and plan.carry.max_lag == 3
+    assert (plan.carry.overcommit.initial, plan.carry.overcommit.maximum, plan.carry.max_defer_steps) == (
+        16,
+        32,
+        3,
+    )  # B, 2B for B=16
     assert not resolve(parse_args(BASE + ["--oppo.enable", "--oppo.overcommit", "0"])).inter_step
     assert not resolve(parse_args(BASE + ["--oppo.enable", "--oppo.max_lag", "0"])).inter_step
 
@@ -420,7 +424,7 @@ def test_the_importance_correction_warns_of_the_first_tokens_log_prob(correction
 )
 def test_frozen_scorers_go_beside_vllm_where_they_fit(extra, placed, capsys):
     args = parse_args(SPLIT_2GPU + extra)
-    assert resolve(args).frozen_scorers_on == placed
+    assert resolve(args).stream.frozen_scorers_on == placed
     assert args.train.frozen_models_with_vllm == (placed == "generation")
     # Only 'auto' finding no room beside vLLM explains itself, with what would make room.
     note = "--vllm.gpu_memory_utilization 0.95 leaves them no room beside vLLM (at most 0.8 would)"
@@ -454,7 +458,7 @@ def test_policy_logprobs_from_vllm_leave_the_policy_streamed_and_say_so(capsys):
     trainer's coordinator puts the engines where its ranks would be (``OPPOTrainer.__init__``), and the log says
     so before Ray starts."""
     plan = resolve(parse_args(BASE + ["--oppo.enable", "--oppo.policy_logprobs", "vllm"]))
-    assert plan.policy_logprobs == "vllm" and "policy" in plan.streamed_roles
+    assert plan.stream.policy_logprobs == "vllm" and "policy" in plan.stream.roles
     assert "the policy's log-probs from vLLM" in capsys.readouterr().out
 
 
@@ -471,7 +475,7 @@ def test_policy_logprobs_from_vllm_leave_the_policy_streamed_and_say_so(capsys):
 def test_critic_catch_up_auto_catches_up_after_the_fit_where_the_engines_score_the_policy(extra, catch_up, capsys):
     """'auto' picks next_batch (after_fit, of the next batch only) only where the critic's catch-up is the one
     prefill left after the weight sync."""
-    assert resolve(parse_args(BASE + ["--oppo.enable"] + extra)).critic_catch_up == catch_up
+    assert resolve(parse_args(BASE + ["--oppo.enable"] + extra)).stream.critic_catch_up == catch_up
     out = capsys.readouterr().out
     assert ("the critic's catch-up after its fit" in out) == (catch_up == "after_fit")
     assert ("the critic's catch-up of the next batch after its fit" in out) == (catch_up == "next_batch")
@@ -489,5 +493,5 @@ def test_frozen_scorers_with_the_engines_rank_count_go_beside_vllm_or_are_refuse
             parse_args(argv)
         return
     args = parse_args(argv)
-    assert resolve(args).frozen_scorers_on == "generation" and args.train.frozen_models_with_vllm
+    assert resolve(args).stream.frozen_scorers_on == "generation" and args.train.frozen_models_with_vllm
     assert args.reward.num_gpus_per_node == args.ref.num_gpus_per_node == 1

@@ -171,9 +171,9 @@ def test_overcommit_rule_option():
     from openrlhf_oppo.plan import resolve
 
     base = ["--actor.model_name_or_path", "m", "--reward.model_name_or_path", "m", "--vllm.num_engines", "1"]
-    assert resolve(parse_args(base + ["--oppo.enable"])).overcommit.rule == "throughput"
+    assert resolve(parse_args(base + ["--oppo.enable"])).carry.overcommit.rule == "throughput"
     rule = ["--oppo.overcommit_rule", "reward_slope"]
-    assert resolve(parse_args(base + ["--oppo.enable"] + rule)).overcommit.rule == "reward_slope"
+    assert resolve(parse_args(base + ["--oppo.enable"] + rule)).carry.overcommit.rule == "reward_slope"
     with pytest.raises(OPPOConfigError, match="--oppo.overcommit 8 fixes it"):
         parse_args(base + ["--oppo.enable", "--oppo.overcommit", "8"] + rule)
     with pytest.raises(SystemExit):

@@ -113,7 +113,7 @@ def test_upstream_cli_loads_oppo_as_an_extension(patched, patched_python):
             print("trainer", trainer.actor_class.__ray_actor_class__.__name__)
             print("rollout", components["rollout"].__ray_actor_class__.__name__)
             plan = trainer.extra_kwargs["plan"]
-            print("streamed", list(plan.streamed_roles), "colocate_models", args.train.colocate_models)
+            print("streamed", list(plan.stream.roles), "colocate_models", args.train.colocate_models)
             print("same plan", all(components[r].extra_kwargs["plan"] is plan for r in ("policy", "critic")))
         """,
     )
@@ -128,7 +128,7 @@ def test_oppo_wrapper_works_with_the_patches(patched_python):
         from openrlhf_oppo.cli.train_ppo_ray import parse_args
         from openrlhf_oppo.plan import resolve
         plan = resolve(parse_args({BASE!r}.split() + ["--oppo.enable", "--oppo.overcommit", "3"]))
-        print("overcommit", plan.overcommit.initial, "inter", plan.inter_step)
+        print("overcommit", plan.carry.overcommit.initial, "inter", plan.inter_step)
         args = parse_args({BASE!r}.split())
         print("enable", args.oppo.enable)
         """,

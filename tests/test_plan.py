@@ -66,18 +66,22 @@ def test_the_split_placement_resolves_to_the_best_measured_runs_settings(models,
     critic's catch-up of the next batch after its fit, the frozen models beside vLLM, new prompts after the sync,
     and Delta reaching twice the batch. Their deferral limit of 4 is what --oppo.max_lag 4 gives."""
     plan = resolve(parse_args(_split(models[shape], gpus) + ["--oppo.enable"]))
-    assert (plan.policy_logprobs, plan.critic_catch_up, plan.frozen_scorers_on) == ("vllm", "next_batch", "generation")
-    assert plan.streamed_roles == ("policy", "critic", "reward", "reference")
-    assert (plan.top_up, plan.carry_kv, plan.weight_sync, plan.staged_sync) == (
+    assert (plan.stream.policy_logprobs, plan.stream.critic_catch_up, plan.stream.frozen_scorers_on) == (
+        "vllm",
+        "next_batch",
+        "generation",
+    )
+    assert plan.stream.roles == ("policy", "critic", "reward", "reference")
+    assert (plan.carry.top_up, plan.carry.kv, plan.sync.mode, plan.staged_sync) == (
         "step_start",
         "recompute",
         "staged",
         True,
     )
-    assert plan.overcommit.auto and (plan.overcommit.initial, plan.overcommit.maximum) == (32, 64)
-    assert (plan.max_lag, plan.max_defer_steps) == (3, 3) and not plan.upstream_changes
+    assert plan.carry.overcommit.auto and (plan.carry.overcommit.initial, plan.carry.overcommit.maximum) == (32, 64)
+    assert (plan.carry.max_lag, plan.carry.max_defer_steps) == (3, 3) and not plan.upstream_changes
     wider = resolve(parse_args(_split(models[shape], gpus) + ["--oppo.enable", "--oppo.max_lag", "4"]))
-    assert wider.max_defer_steps == 4 and wider.overcommit.maximum == 64
+    assert wider.carry.max_defer_steps == 4 and wider.carry.overcommit.maximum == 64
 
 
 def test_the_users_options_win_over_the_plan(models):
@@ -88,8 +92,12 @@ def test_the_users_options_win_over_the_plan(models):
             + ["--oppo.overcommit", "16", "--oppo.policy_logprobs", "policy", "--oppo.frozen_scorers_on", "models"]
         )
     )
-    assert not plan.overcommit.auto and plan.overcommit.initial == plan.overcommit.maximum == 16
-    assert (plan.policy_logprobs, plan.critic_catch_up, plan.frozen_scorers_on) == ("policy", "next_step", "models")
+    assert not plan.carry.overcommit.auto and plan.carry.overcommit.initial == plan.carry.overcommit.maximum == 16
+    assert (plan.stream.policy_logprobs, plan.stream.critic_catch_up, plan.stream.frozen_scorers_on) == (
+        "policy",
+        "next_step",
+        "models",
+    )
     assert not any(choice.setting == "policy_logprobs" for choice in plan.choices)
 
 
@@ -101,14 +109,14 @@ def test_the_lag_bound_sets_the_deferral_limit_and_delta(models, lag, top_up, de
     bound leaves them a step to be carried: the deferral limit is the bound, less that version."""
     argv = _run(models["qwen2.5-1.5b"]) + _roles(1) + ["--vllm.num_engines", "1", "--train.colocate_all"]
     plan = resolve(parse_args(argv + ["--oppo.enable", "--oppo.max_lag", str(lag), "--oppo.memory_flags", "as_given"]))
-    assert (plan.top_up, plan.max_defer_steps, plan.overcommit.maximum) == (top_up, defer, delta_max)
-    assert plan.max_defer_steps + (plan.top_up == "step_end") == lag
+    assert (plan.carry.top_up, plan.carry.max_defer_steps, plan.carry.overcommit.maximum) == (top_up, defer, delta_max)
+    assert plan.carry.max_defer_steps + (plan.carry.top_up == "step_end") == lag
     assert f"max lag {lag}" in describe(plan)
 
 
 def test_a_lag_of_zero_turns_inter_step_overlap_off(models):
     plan = resolve(parse_args(_split(models["qwen2.5-1.5b"], 2) + ["--oppo.enable", "--oppo.max_lag", "0"]))
-    assert not plan.inter_step and plan.max_lag == 0 and plan.policy_logprobs == "policy"
+    assert not plan.inter_step and plan.carry.max_lag == 0 and plan.stream.policy_logprobs == "policy"
     assert "no inter-step overlap" in describe(plan)
 
 
@@ -122,14 +130,28 @@ def test_resolving_never_writes_into_the_parsed_namespace(models):
     assert resolve(fresh) is resolve(fresh)  # once per namespace
 
 
+def test_the_memory_plan_weighs_its_candidates_without_touching_the_flags(models):
+    """Under the hybrid engine on one H200 the plan tries vLLM awake beside the models: the candidates are layouts,
+    and OpenRLHF's flags change only where apply_upstream_changes writes the one it kept."""
+    hybrid = ["--vllm.enable_sleep", "--ds.enable_sleep", "--oppo.enable"] + H200
+    args = parse_args(_colocated(models["qwen2.5-1.5b"], 2048, *hybrid))
+    fresh = copy.deepcopy(args)
+    for change in resolve(args).upstream_changes:  # parse_args applied them: the user's flags again
+        group, name = change.flag[2:].split(".", 1)
+        setattr(getattr(fresh, group), name, change.given)
+    before = json.dumps(fresh, default=vars, sort_keys=True)
+    plan = resolve(fresh)
+    assert plan.upstream_changes and json.dumps(fresh, default=vars, sort_keys=True) == before
+
+
 def test_the_hybrid_engine_stays_where_the_plan_has_no_gpu_to_measure(models):
     """On a machine without a GPU (and no --oppo.gpu_memory_gb), the memory plan cannot say what fits: the user's
     sleep flags stay, and so does upstream's memory share."""
     argv = _run(models["qwen2.5-1.5b"]) + _roles(1) + ["--vllm.num_engines", "1", "--train.colocate_all"]
     args = parse_args(argv + ["--vllm.enable_sleep", "--ds.enable_sleep", "--oppo.enable"])
     plan = resolve(args)
-    assert plan.vllm_sleeps and not plan.upstream_changes and args.vllm.enable_sleep and args.ds.enable_sleep
-    assert plan.streamed_roles == () and plan.state_moves == "serial"  # overlapped moves hold two models' states
+    assert plan.sync.vllm_sleeps and not plan.upstream_changes and args.vllm.enable_sleep and args.ds.enable_sleep
+    assert plan.stream.roles == () and plan.sync.state_moves == "serial"  # overlapped moves hold two models' states
 
 
 # -- the sampler keeps the bound: the deadlines ------------------------------------------------------------------
@@ -203,15 +225,19 @@ def test_the_hybrid_engine_wakes_up_where_the_memory_plan_fits_it(models):
     hybrid = ["--vllm.enable_sleep", "--ds.enable_sleep", "--oppo.enable"] + H200
     args = parse_args(_colocated(models["qwen2.5-1.5b"], 2048, *hybrid))
     plan = resolve(args)
-    assert not plan.vllm_sleeps and not args.vllm.enable_sleep and not args.ds.enable_sleep  # applied
+    assert not plan.sync.vllm_sleeps and not args.vllm.enable_sleep and not args.ds.enable_sleep  # applied
     assert args.vllm.gpu_memory_utilization == 0.1
     assert {c.flag for c in plan.upstream_changes} == {
         "--vllm.enable_sleep",
         "--ds.enable_sleep",
         "--vllm.gpu_memory_utilization",
     }
-    assert (plan.colocated_decode, plan.top_up, plan.max_defer_steps) == ("during_training", "step_end", 2)
-    assert plan.streamed_roles == ("critic", "reward", "reference") and plan.memory.fits
+    assert (plan.carry.colocated_decode, plan.carry.top_up, plan.carry.max_defer_steps) == (
+        "during_training",
+        "step_end",
+        2,
+    )
+    assert plan.stream.roles == ("critic", "reward", "reference") and plan.memory.fits
     assert "changed --vllm.enable_sleep on -> off" in describe(plan)
 
 
@@ -221,12 +247,12 @@ def test_states_the_user_keeps_on_the_gpu_stay_there(models):
     fit beside vLLM's 0.45 either, so nothing streams, and at 2048 tokens they do."""
     args = parse_args(_colocated(models["qwen2.5-1.5b"], 4096, "--vllm.enable_sleep", "--oppo.enable", *H200))
     plan = resolve(args)
-    assert plan.vllm_sleeps and not args.ds.enable_sleep and not plan.upstream_changes
-    assert plan.state_moves == "serial" and plan.streamed_roles == ()
+    assert plan.sync.vllm_sleeps and not args.ds.enable_sleep and not plan.upstream_changes
+    assert plan.sync.state_moves == "serial" and plan.stream.roles == ()
     shorter = resolve(
         parse_args(_colocated(models["qwen2.5-1.5b"], 1024, "--vllm.enable_sleep", "--oppo.enable", *H200))
     )
-    assert not shorter.vllm_sleeps  # and at 1024 tokens vLLM awake fits beside the states
+    assert not shorter.sync.vllm_sleeps  # and at 1024 tokens vLLM awake fits beside the states
 
 
 H100 = ["--oppo.gpu_memory_gb", "79.6"]
@@ -240,7 +266,7 @@ def test_oppo_runs_where_openrlhf_runs_dropping_its_extras_to_fit(models, capsys
         _colocated(models["qwen2.5-1.5b"], 4096, "--vllm.enable_sleep", "--ds.enable_sleep", "--oppo.enable", *H100)
     )
     plan = resolve(args)
-    assert plan.inter_step and plan.vllm_sleeps
+    assert plan.inter_step and plan.sync.vllm_sleeps
     line = describe(plan)
     assert "OpenRLHF alone" in line and f"of {79.6:.1f} GiB" in line
     assert plan.memory.estimate.worst.peak_gib <= plan.memory.upstream.worst.peak_gib + 1e-6 or plan.memory.fits
@@ -253,19 +279,19 @@ def test_extras_go_one_at_a_time_cheapest_first_and_a_given_one_stays(models):
     argv = _colocated(models["qwen2.5-0.5b"], 1024, "--oppo.enable", "--oppo.memory_flags", "as_given")
     roomy = resolve(parse_args(argv + ["--oppo.gpu_memory_gb", "140"]))
     tight = resolve(parse_args(argv + ["--oppo.gpu_memory_gb", "80"]))
-    assert roomy.memory.fits and not roomy.memory.dropped and roomy.streamed_roles
+    assert roomy.memory.fits and not roomy.memory.dropped and roomy.stream.roles
     dropped = [(c.setting, c.value) for c in tight.memory.dropped]
     assert dropped[:3] == [("cache_budget_gb", 2.0), ("cache_budget_gb", 1.0), ("cache_budget_gb", 0.5)]
     streams_dropped = [value.split()[-1] for setting, value in dropped[3:]]
     assert streams_dropped and streams_dropped == [
         r for r in ("reference", "critic", "reward") if r in streams_dropped
     ]
-    assert set(tight.streamed_roles) == set(roomy.streamed_roles) - set(streams_dropped)
-    assert tight.memory.fits or not tight.streamed_roles
+    assert set(tight.stream.roles) == set(roomy.stream.roles) - set(streams_dropped)
+    assert tight.memory.fits or not tight.stream.roles
     assert "dropped to fit: cache_budget_gb 0.5, streaming off for " in describe(tight)
 
     given = resolve(parse_args(argv + ["--oppo.gpu_memory_gb", "80", "--oppo.cache_budget_gb", "4"]))
-    assert given.cache_budget_gb == 4 and set(given.streamed_roles) == set(roomy.streamed_roles)
+    assert given.stream.cache_budget_gb == 4 and set(given.stream.roles) == set(roomy.stream.roles)
     assert not given.memory.fits and "change --" in given.memory.warning()
 
 
@@ -283,4 +309,14 @@ def test_a_run_that_does_not_fit_runs_with_a_warning_unless_strict(models):
 
 def test_a_deferral_limit_given_alone_sets_the_lag_bound(models):
     plan = resolve(parse_args(_split(models["qwen2.5-1.5b"], 2) + ["--oppo.enable", "--oppo.max_defer_steps", "4"]))
-    assert (plan.max_defer_steps, plan.max_lag) == (4, 4)
+    assert (plan.carry.max_defer_steps, plan.carry.max_lag) == (4, 4)
+    assert [c.reason for c in plan.choices if c.setting == "overcommit"] == ["max lag 4: groups carried up to 4 steps"]
+
+
+@pytest.mark.parametrize("off", [["--oppo.max_lag", "0"], ["--oppo.overcommit", "0"]])
+def test_a_rule_for_delta_without_inter_step_overlap_names_what_turned_it_off(models, off):
+    argv = _split(models["qwen2.5-1.5b"], 2) + ["--oppo.enable", *off, "--oppo.overcommit_rule", "reward_slope"]
+    with pytest.raises(
+        OPPOConfigError, match=r"^--oppo.overcommit_rule tunes inter-step overlap, which --oppo.overcommit 0 "
+    ):
+        parse_args(argv)

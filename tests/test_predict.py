@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_oppo.plan import Overcommit, Plan
+from openrlhf_oppo.plan import Carry, Overcommit, Plan, Stream
 from openrlhf_oppo.predict import __main__ as cli
 from openrlhf_oppo.predict import costs as costs_
 from openrlhf_oppo.predict import runs as runs_
@@ -61,7 +61,7 @@ def test_oppo_carries_a_long_group_and_waits_for_it_once_it_is_overdue():
     # Batch 1 with Delta 1: each step takes the first group done. The long group (5000 tokens, 10.5 s)
     # is carried while short ones finish, until it has been carried max_defer_steps times.
     setup = Setup(engines=1, model_gpus=1, batch=1, prompt_tokens=0, roles=("policy",), trained=("policy",))
-    plan = Plan(enabled=True, overcommit=Overcommit(initial=1), max_defer_steps=2)
+    plan = Plan(enabled=True, carry=Carry(overcommit=Overcommit(initial=1), max_defer_steps=2))
     steps = simulate.simulate_oppo(plain_costs(), setup, plan, [5000] + [50] * 9, 5)
     assert [s.trained_tokens for s in steps[:3]] == [50, 50, 5000]
     assert steps[0].generation_s < 0.2 and steps[1].generation_s < 0.2
@@ -75,7 +75,7 @@ def test_streamed_scores_leave_make_experience_only_their_collect():
     costs = plain_costs(forward_s=1e-4, call_s=0.05)
     sync = simulate.simulate_sync(costs, setup, [200] * 8, 1)[0]
     assert sync.experience_s == pytest.approx(4 * 1e-4 * 4 * 210)
-    streamed = Plan(enabled=True, streamed_roles=setup.roles)
+    streamed = Plan(enabled=True, stream=Stream(roles=setup.roles))
     oppo = simulate.simulate_oppo(costs, setup, streamed, [200] * 8, 1)[0]
     # The scorers kept up with decoding on GPUs of their own: four collect calls are left.
     assert oppo.experience_s == pytest.approx(4 * 0.05, abs=0.01)

@@ -15,6 +15,7 @@ import ray
 
 from openrlhf_oppo import preflight
 from openrlhf_oppo.config import OPPOConfigError
+from openrlhf_oppo.plan import resolve
 from openrlhf_oppo.testing import preflight_sweep
 
 CLI = [sys.executable, "-m", "openrlhf_oppo.cli.train_ppo_ray"]
@@ -136,7 +137,7 @@ def test_a_data_file_is_read_through_or_its_first_rows(tmp_path, monkeypatch):
 def test_the_placement_lists_the_groups_upstream_places(extra, groups, checkpoints, good_root):
     """As upstream's ``train`` (0.11.2) asks Ray for them, in that order (the engines before the models unless the
     actor's group is colocated): which models share GPUs (one GPU a model here)."""
-    placement = preflight.placement(_good_run(checkpoints, good_root, *extra))
+    placement = preflight.placement(resolve(_good_run(checkpoints, good_root, *extra)).topology)
     assert [names for names, _ in placement] == groups
     assert all(count == 1 for _, count in placement)
 

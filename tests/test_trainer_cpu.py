@@ -175,7 +175,7 @@ class _Group:
 def _state_moves_trainer(monkeypatch, log, frozen_policy=False, vllm_asleep=True, critic_catch_up="next_step"):
     """What ``OPPOTrainer``'s state-move methods read, with ``ray.get`` logging each wait."""
     from openrlhf_oppo import trainer as trainer_module
-    from openrlhf_oppo.plan import Plan
+    from openrlhf_oppo.plan import Plan, Stream, Sync
 
     def get(refs):
         log.extend(f"{ref} awaited" for ref in refs)
@@ -187,7 +187,7 @@ def _state_moves_trainer(monkeypatch, log, frozen_policy=False, vllm_asleep=True
             critic=SimpleNamespace(freezing_steps=5 if frozen_policy else -1),
             vllm=SimpleNamespace(enable_sleep=vllm_asleep),
         ),
-        plan=Plan(enabled=True, critic_catch_up=critic_catch_up, vllm_sleeps=vllm_asleep),
+        plan=Plan(enabled=True, stream=Stream(critic_catch_up=critic_catch_up), sync=Sync(vllm_sleeps=vllm_asleep)),
         coordinator=SimpleNamespace(
             catch_up=lambda role, streams: log.append(  # the coordinator releases the role without a next batch
                 f"release {role}" if streams is None else f"catch_up {role} {' '.join(streams)}"

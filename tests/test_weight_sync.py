@@ -123,16 +123,13 @@ def test_buckets_keep_order_one_dtype_and_the_size_limit():
 
 
 def test_sync_plan_stages_only_where_engines_decode_through_the_sync():
-    from openrlhf_oppo.plan import Overcommit, Plan
+    from openrlhf_oppo.plan import Carry, Overcommit, Plan, Sync
 
     def plan(bucket_mb=512, inter_step=True, sleep=False, colocate_all=False, weight_sync="staged"):
         return Plan(
             enabled=True,
-            overcommit=Overcommit(initial=4 if inter_step else 0),
-            sync_bucket_mb=bucket_mb,
-            vllm_sleeps=sleep,
-            colocate_all=colocate_all,
-            weight_sync=weight_sync,
+            carry=Carry(overcommit=Overcommit(initial=4 if inter_step else 0)),
+            sync=Sync(mode=weight_sync, bucket_mb=bucket_mb, colocate_all=colocate_all, vllm_sleeps=sleep),
         )
 
     assert SyncPlan.of(plan()) == SyncPlan(512 << 20, staged=True)

@@ -221,7 +221,7 @@ def _frozen_actor(role, checkpoints, args):
     from openrlhf_oppo.plan import resolve
 
     plan = resolve(args)
-    assert role in plan.streamed_roles
+    assert role in plan.stream.roles
     strategy = get_strategy(args)
     strategy.setup_distributed = lambda: None  # upstream's builds a CUDA device mesh; gloo is up already
     cls = actors.StreamingRewardModelActor if role == "reward" else actors.StreamingReferenceModelActor

@@ -95,7 +95,7 @@ def run_estimate(results: dict, result: dict) -> memory.Estimate:
     shapes = dict(policy=shape, reference=shape, critic=shape, reward=shape)
     longest = results["settings"]["prompt_tokens"] + results["workload"]["max_length"]
     args = _args(result["flags"] + _plan_flags(result["flags"], gpu_gib(results)), results["settings"]["shape"])
-    layout = resolve(args).layout
+    layout = resolve(args).memory.layout
     return memory.estimate(args, layout, gpu_gib(results), shapes=shapes, longest=longest)
 
 

@@ -85,7 +85,7 @@ def predict_systems(
             out[name] = Prediction(name, refused=str(error))
             continue
         kind, setup, plan = runs_.system_of(args), runs_.setup_of(args, prompt_tokens), runs_.plan_of(args)
-        if plan.overcommit.auto and plan.overcommit.rule == "throughput":
+        if plan.carry.overcommit.auto and plan.carry.overcommit.rule == "throughput":
             plan = simulate.with_delta(plan, settled_delta(costs, setup, plan, lengths))
         steps = simulate_system(kind, costs, setup, plan, lengths, warmup + measured)[warmup:]
         if not steps:
@@ -101,8 +101,8 @@ def _lag_bound(kind: str, plan) -> int:
     """The most weight updates between a trained group's dispatch and its training: async's next batch starts
     one version behind; OPPO's carried groups are waited for once carried ``max_defer_steps`` times, a step
     later where they started before training (``--oppo.top_up step_end``)."""
-    if kind == "oppo" and plan.overcommit.initial:
-        return plan.max_defer_steps + (plan.top_up == "step_end")
+    if kind == "oppo" and plan.carry.overcommit.initial:
+        return plan.carry.max_defer_steps + (plan.carry.top_up == "step_end")
     return 1 if kind == "async" else 0
 
 
@@ -126,7 +126,7 @@ def settled_delta(costs: Costs, setup, plan, lengths: List[int], steps: int = 12
         verdicts = sim.controller.verdicts  # the rule's own verdict of each step of its window
         return verdicts.count("waited") * 2 > len(verdicts)
 
-    low, high = plan.overcommit.minimum, max(plan.overcommit.minimum, plan.overcommit.maximum)
+    low, high = plan.carry.overcommit.minimum, max(plan.carry.overcommit.minimum, plan.carry.overcommit.maximum)
     if waits(high):
         return high
     while low < high:
@@ -144,8 +144,8 @@ def _plan(kind: str, args, plan) -> str:
     from openrlhf_oppo.plan import describe, resolve
 
     text = describe(resolve(args)).removeprefix("OPPO on: ")
-    if resolve(args).overcommit.auto:
-        delta = plan.overcommit
+    if resolve(args).carry.overcommit.auto:
+        delta = plan.carry.overcommit
         at_bound = " (its bound, --oppo.overcommit_max)" if delta.initial == delta.maximum else ""
         text += f"; the throughput rule holds Delta at {delta.initial}{at_bound}"
     return text

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
-from openrlhf_oppo import tiny
+from openrlhf_oppo import tiny, topology
 from openrlhf_oppo.bench import report
 from openrlhf_oppo.plan import Plan
 from openrlhf_oppo.predict.simulate import Setup
@@ -82,10 +82,8 @@ def system_of(args) -> str:
 
 
 def setup_of(args, prompt_tokens: int) -> Setup:
-    critic = args.algo.advantage.estimator == "gae"
-    reward = not args.reward.remote_url and not getattr(args.train, "agent_func_path", None)
-    reference = args.algo.kl.init_coef > 0 or getattr(args.algo.kl, "use_loss", False)
-    roles = ("policy",) + ("critic",) * critic + ("reward",) * reward + ("reference",) * reference
+    """The placement, batch and models of the run (``topology.models``: the models upstream's ``train`` creates)."""
+    roles = topology.models(args)
     return Setup(
         engines=args.vllm.num_engines,
         model_gpus=args.actor.num_nodes * args.actor.num_gpus_per_node,
@@ -97,7 +95,7 @@ def setup_of(args, prompt_tokens: int) -> Setup:
         rollout_micro_batch=args.rollout.micro_batch_size,
         train_micro_batch=args.train.micro_batch_size,
         roles=roles,
-        trained=("policy",) + ("critic",) * critic,
+        trained=tuple(role for role in roles if role in ("policy", "critic")),
     )
 
 

@@ -26,7 +26,6 @@ from typing import List, Optional
 
 from openrlhf_oppo.overcommit.controller import ThroughputController
 from openrlhf_oppo.plan import OFF, Plan
-from openrlhf_oppo.protocol import FROZEN_ROLES
 
 # The share of training after which the critic's fit ends (the two train side by side, or the critic first under
 # the hybrid engine): an assumption, as the logs time the two only together.
@@ -73,18 +72,18 @@ class Setup:
 def engine_scored_roles(plan: Plan) -> tuple:
     """The streamed roles scored on the engines' GPUs: the frozen models beside vLLM, and the policy whose
     log-probs vLLM computes (``--oppo.policy_logprobs vllm``)."""
-    streamed = plan.streamed_roles
-    on_engines = ()
-    if plan.frozen_scorers_on == "generation":
-        on_engines = tuple(r for r in streamed if r in FROZEN_ROLES)
-    if plan.policy_logprobs == "vllm" and "policy" in streamed:
+    streamed = plan.stream.roles
+    on_engines = tuple(r for r in streamed if r in plan.topology.frozen_beside_engines)
+    if plan.stream.policy_logprobs == "vllm" and "policy" in streamed:
         on_engines += ("policy",)
     return on_engines
 
 
 def with_delta(plan: Plan, delta: int) -> Plan:
     """The plan with Delta fixed at ``delta`` (no controller)."""
-    return replace(plan, overcommit=replace(plan.overcommit, initial=delta, auto=False))
+    return replace(
+        plan, carry=replace(plan.carry, overcommit=replace(plan.carry.overcommit, initial=delta, auto=False))
+    )
 
 
 class Engine:
@@ -262,7 +261,7 @@ class Cluster:
         group.left = len(group.requests)
         for request in group.requests:
             engine.add(request)
-            for role in self.plan.streamed_roles:
+            for role in self.plan.stream.roles:
                 request.sent[role] = 0.0
                 if self.streams_tokens(role):
                     self.queue_of(role).work += self.setup.prompt_tokens * self.costs.forward_s
@@ -312,7 +311,7 @@ class Cluster:
 
     def advance(self, dt: float, speed: float) -> None:
         decoding = speed > 0 and any(e.running for e in self.engines)
-        streaming = [r for r in self.plan.streamed_roles if self.streams_tokens(r)]
+        streaming = [r for r in self.plan.stream.roles if self.streams_tokens(r)]
         for e in self.engines:
             if not e.running or speed <= 0:
                 continue
@@ -513,20 +512,20 @@ class OPPOSim:
         self.done = 0  # of those, done
         self.overdue = set()  # running groups carried max_defer_steps times: the step waits for them
         self.controller = ThroughputController(
-            initial=plan.overcommit.initial,
-            auto=plan.overcommit.auto and plan.overcommit.rule == "throughput",
+            initial=plan.carry.overcommit.initial,
+            auto=plan.carry.overcommit.auto and plan.carry.overcommit.rule == "throughput",
             batch=setup.batch,
-            minimum=plan.overcommit.minimum,
-            maximum=plan.overcommit.maximum,
+            minimum=plan.carry.overcommit.minimum,
+            maximum=plan.carry.overcommit.maximum,
         )
-        self.on_models = [r for r in plan.streamed_roles if r not in self.cluster.on_engines]
+        self.on_models = [r for r in plan.stream.roles if r not in self.cluster.on_engines]
         # What the engines do beside each phase of the models' GPUs.
         if not setup.colocated:
             self.beside_experience = self.beside_training = self.beside_rest = "apart"
         elif setup.vllm_sleep:
             self.beside_experience = self.beside_training = self.beside_rest = "paused"  # asleep
         else:
-            decoding = plan.colocated_decode
+            decoding = plan.carry.colocated_decode
             self.beside_experience = "shared" if decoding == "continue" else "paused"
             self.beside_training = "paused" if decoding == "pause" else "shared"
             self.beside_rest = "apart"
@@ -534,7 +533,9 @@ class OPPOSim:
     # -- the samples generator's rules (overcommit/sampler.py) -------------------------------------
 
     def take_order(self, groups: List[Group]) -> List[Group]:
-        return sorted(groups, key=lambda g: (g.deferrals < self.plan.max_defer_steps, not g.announced, -g.deferrals))
+        return sorted(
+            groups, key=lambda g: (g.deferrals < self.plan.carry.max_defer_steps, not g.announced, -g.deferrals)
+        )
 
     def top_up(self, target: int) -> None:
         for _ in range(target - len(self.groups)):
@@ -586,17 +587,17 @@ class OPPOSim:
         live = self.requests()
         if setup.vllm_sleep:
             cluster.recompute(live)  # the engines' sleep dropped the carried requests' KV
-        for role in plan.streamed_roles:
+        for role in plan.stream.roles:
             if role == "policy" and role in cluster.on_engines:
                 cluster.released.add(role)  # vLLM scores each sequence once it is whole
-            elif not (role == "critic" and plan.critic_catch_up == "next_batch"):
+            elif not (role == "critic" and plan.stream.critic_catch_up == "next_batch"):
                 cluster.release(role, live)
         done_at_start, delta = self.done, self.controller.delta
-        if not (plan.top_up == "step_end") or not self.groups:
+        if not (plan.carry.top_up == "step_end") or not self.groups:
             self.top_up(setup.batch + delta)
         if len(self.groups) < setup.batch:
             return None  # the prompts ran out
-        self.overdue = {g for g in self.groups if not g.done and g.deferrals >= plan.max_defer_steps}
+        self.overdue = {g for g in self.groups if not g.done and g.deferrals >= plan.carry.max_defer_steps}
         if self.done >= setup.batch:
             self.bth_done = 0.0
         cluster.idle(costs.oppo_dispatch_s, rate=1.0)
@@ -616,17 +617,17 @@ class OPPOSim:
         # out); each streamed model returns its scores in one call; upstream's forward for the others. The
         # roles on the models' GPUs hold the carried requests' tokens until those GPUs are free again.
         make_start = cluster.now
-        for role in plan.streamed_roles:
+        for role in plan.stream.roles:
             for request in self.requests(taken):
                 cluster.send(request, role)
         for role in self.on_models:
             cluster.hold(role, self.requests())
-        if plan.top_up == "step_end":
+        if plan.carry.top_up == "step_end":
             self.top_up(setup.batch + self.controller.delta)
         cluster.rate = 0.0 if self.beside_experience == "paused" else 1.0
         cluster.capacities()
         cluster.run(max(cluster.models.drain_s(), cluster.beside_engines.drain_s()))
-        unstreamed = [r for r in setup.roles if r not in plan.streamed_roles]
+        unstreamed = [r for r in setup.roles if r not in plan.stream.roles]
         collect = costs.call_s * (len(setup.roles) - len(unstreamed))
         cluster.busy(
             collect + experience_s(costs, setup, taken, unstreamed), self.beside_experience, costs.decode_busy
@@ -634,11 +635,11 @@ class OPPOSim:
         make = cluster.now - make_start
 
         train_start, train = cluster.now, train_s(costs, setup, taken)
-        if "critic" in setup.trained and "critic" in plan.streamed_roles and plan.critic_catch_up != "next_step":
+        if "critic" in setup.trained and "critic" in plan.stream.roles and plan.stream.critic_catch_up != "next_step":
             fit = CRITIC_FIT_SHARE * train
             cluster.busy(fit, self.beside_training, costs.train_busy)
             cluster.new_weights("critic", self.requests())
-            if plan.critic_catch_up == "after_fit":
+            if plan.stream.critic_catch_up == "after_fit":
                 extra = self.catch_up("critic", self.groups)
                 cluster.released.add("critic")
             else:
@@ -649,19 +650,19 @@ class OPPOSim:
             cluster.new_weights("critic", self.requests())
         train = cluster.now - train_start
 
-        if plan.weight_sync == "staged" and not setup.colocated:
+        if plan.sync.mode == "staged" and not setup.colocated:
             cluster.busy(costs.sync_s / 2, "apart")
             cluster.busy(costs.sync_s / 2, "paused")  # the engines pause only to load the staged weights
         else:
             cluster.busy(costs.sync_s, "paused")
         cluster.new_weights("policy", self.requests())
-        if not (plan.carry_kv == "keep") and not setup.vllm_sleep:
+        if not (plan.carry.kv == "keep") and not setup.vllm_sleep:
             cluster.recompute(self.requests())
         if "policy" in self.cluster.on_engines:
             for request in self.requests(self.announce()):
                 cluster.send(request, "policy")
         cluster.idle(costs.other_s, rate=0.0 if self.beside_rest == "paused" else 1.0)
-        lag = sum(g.deferrals for g in taken) / len(taken) + (plan.top_up == "step_end")
+        lag = sum(g.deferrals for g in taken) / len(taken) + (plan.carry.top_up == "step_end")
         return cluster.step_since(
             before,
             generation_s=generation,

@@ -263,10 +263,10 @@ class _TrainableScorerMixin(StreamingScorerMixin):
     def _oppo_profiler(self):
         """``--oppo.profile_step N``: torch.profiler around this rank's N-th fit."""
         oppo = self.oppo_plan
-        if not oppo.profile_step or oppo.profile_step != self.oppo_fits:
+        if not oppo.observe.profile_step or oppo.observe.profile_step != self.oppo_fits:
             return contextlib.nullcontext()
         name = f"profile_{self.oppo_trained_role}_rank{_rank()}_step{self.oppo_fits:05d}.json"
-        return profiled(os.path.join(oppo.trace_dir, name))
+        return profiled(os.path.join(oppo.observe.trace_dir, name))
 
     def _after_fit(self, status: dict, started: float) -> dict:
         """The scorer moves to the new weights. The step's timing/ppo_train spans both models training side
@@ -289,7 +289,7 @@ class _FrozenScorerMixin(StreamingScorerMixin):
         # from all its ranks. A streaming rank scores alone, on the full weights (an InferenceCopy, kept beside the
         # shard). Frozen weights never need gathering again, so a streamed frozen model loads them whole, as
         # upstream does under ZeRO-1/2 (DeepSpeed stage 0 for inference): one copy a rank, no collectives. ---
-        if strategy.stage == 3 and self.oppo_frozen_role in self.oppo_plan.streamed_roles:
+        if strategy.stage == 3 and self.oppo_frozen_role in self.oppo_plan.stream.roles:
             strategy.stage = 0  # this actor's own strategy: the other models keep ZeRO-3
         super().init_model_from_pretrained(strategy, pretrain)
 
