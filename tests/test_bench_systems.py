@@ -44,7 +44,7 @@ def test_benchmark_system_is_a_valid_command(system, placement, gpus, bench_work
         with pytest.raises(OPPOConfigError, match="--oppo.carry_kv keep needs the KV cache to survive"):
             parse_args(flags + system_flags(system, placement, 16))
         args = parse_args(flags + system_flags(system, placement, 16) + ["--oppo.gpu_memory_gb", "80"])
-        assert resolve(args).carry_kv == "keep" and not args.vllm.enable_sleep  # an 80 GB GPU: the plan wakes it
+        assert resolve(args).carry.kv == "keep" and not args.vllm.enable_sleep  # an 80 GB GPU: the plan wakes it
         return
     args = parse_args(flags + system_flags(system, placement, 16))
     assert args.bench.lengths_from_label and args.bench.seed_prompt_order
