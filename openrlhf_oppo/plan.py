@@ -328,7 +328,8 @@ def _colocated_memory(args, opts, sync, budget, total):
                 choice = Choice("placement", what, f"{estimate.worst.peak_gib:.0f} of {total:.0f} GiB")
                 return awake, candidate_budget, opts.intra_step, [choice], _changes(sync, awake)
     choices = [Choice("placement", "as given", "vLLM awake does not fit beside the models")]
-    if sync.vllm_sleeps and opts.intra_step == "auto":
+    # Streaming beside the sleeping engines, where a model of the run can stream at all.
+    if sync.vllm_sleeps and opts.intra_step == "auto" and _streamed_roles(args, "on", sync):
         for candidate_budget in budgets:
             estimate = _estimate(args, _candidate_layout(args, "on", sync, candidate_budget), total)
             if estimate is not None and _fits(estimate, total):

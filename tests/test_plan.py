@@ -258,6 +258,18 @@ def test_states_the_user_keeps_on_the_gpu_stay_there(models):
 H100 = ["--oppo.gpu_memory_gb", "79.6"]
 
 
+def test_a_hybrid_engine_run_with_no_model_to_stream_is_not_refused(models):
+    """Group norm with a remote reward and no KL: no critic, reward or reference model, and the policy shares vLLM's
+    GPU. On 96 GiB a 3B run fits asleep but not awake; the plan must not then try streaming beside the sleeping
+    engines, which nothing here can do, and refuse the run OpenRLHF makes."""
+    argv = _colocated(models["qwen2.5-3b"], 2048, "--vllm.enable_sleep", "--ds.enable_sleep", "--oppo.enable")
+    argv += ["--algo.advantage.estimator", "group_norm", "--reward.remote_url", "http://localhost:5000/get_reward"]
+    argv += ["--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "128"]
+    plan = resolve(parse_args(argv + ["--vllm.gpu_memory_utilization", "0.5", "--oppo.gpu_memory_gb", "96"]))
+    assert plan.sync.vllm_sleeps and plan.stream.roles == () and plan.inter_step
+    assert not any(choice.setting == "intra_step" for choice in plan.choices)
+
+
 def test_oppo_runs_where_openrlhf_runs_dropping_its_extras_to_fit(models, capsys):
     """One H100, 1.5B, the hybrid engine, responses up to 4096 tokens: OpenRLHF ran it. The plan drops OPPO's own
     additions where they do not fit, never refuses the run, and its line shows OpenRLHF's own estimate beside OPPO's.
