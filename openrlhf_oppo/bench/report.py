@@ -391,12 +391,6 @@ def memory_table(results: dict) -> list:
     return lines
 
 
-def gpu_memory_peaks(result: dict) -> list:
-    """A system's peak memory on each GPU, in GiB: the largest of the harness's NVML samples (``gpu_samples``)."""
-    samples = result.get("gpu_samples") or []
-    return [max(memory) for memory in zip(*(sample[2] for sample in samples))]
-
-
 def busiest_gpu_s(summary: dict, utilization: list):
     """The step's bound: seconds per step that the busiest GPU ran kernels (NVML's busy fraction over the
     measured steps times the mean step). A step cannot be shorter; "step / bound" says how close it came."""
