@@ -233,6 +233,7 @@ class _Sizes:
         self.args, self.shapes, self.longest = args, shapes, longest
         self.zero = args.ds.zero_stage
         self.adam_offload = args.ds.adam_offload
+        self.options = config.values(args.oppo)  # the prefill's size, as given or its default
 
     def params(self, role: str) -> int:
         shape = self.shapes[role]
@@ -296,9 +297,9 @@ class _Sizes:
     def prefill(self, role: str) -> float:
         """One streamed prefill pass: ``--oppo.max_prefill_tokens`` new tokens over the gathered cache, and the
         float32 logit rows of the log-prob roles."""
-        shape, options = self.shapes[role], config.values(self.args.oppo)
-        work = options.max_prefill_tokens * (shape.forward_bytes_per_token + shape.kv_bytes_per_token)
-        work += options.max_prefill_cached_tokens * shape.kv_bytes_per_token
+        shape = self.shapes[role]
+        work = self.options.max_prefill_tokens * (shape.forward_bytes_per_token + shape.kv_bytes_per_token)
+        work += self.options.max_prefill_cached_tokens * shape.kv_bytes_per_token
         if role in LOG_PROBS:
             work += SCORER_LOGIT_ROWS * shape.vocab_size * 10  # bf16 and float32 rows, float32 log-softmax
         return PREFILL_SLACK * work + self.gathered(role)

@@ -561,18 +561,19 @@ def _fit_memory(args, opts, carry: Carry, stream: Stream, sync: Sync, total):
     whatever the estimate says: an estimate can be wrong, and OpenRLHF would run it (``--oppo.strict_memory``
     refuses it instead, in ``plan_checks``). Where the GPU or a model's shape is unknown the plan has no estimate,
     and keeps what it has. Returns (stream, sync, memory plan)."""
-    estimate = _estimate(args, _layout(carry, stream, sync), total)
+    layout = _layout(carry, stream, sync)
+    estimate = _estimate(args, layout, total)
     upstream = _estimate(args, _user_layout(args), total)  # OpenRLHF's own run with the user's flags
     if estimate is None or upstream is None:
-        return stream, sync, MemoryPlan(_layout(carry, stream, sync))
+        return stream, sync, MemoryPlan(layout)
     dropped = []
     for leaner_stream, leaner_sync, choice in _leaner(opts, carry, stream, sync):
         if _fits(estimate, total):
             break
         stream, sync = leaner_stream, leaner_sync
         dropped.append(choice)
-        estimate = _estimate(args, _layout(carry, stream, sync), total)
-    layout = _layout(carry, stream, sync)
+        layout = _layout(carry, stream, sync)
+        estimate = _estimate(args, layout, total)
     return stream, sync, MemoryPlan(layout, estimate, upstream, tuple(dropped), strict=opts.strict_memory)
 
 

@@ -273,8 +273,7 @@ def same_curve_table(runs: dict, alone: dict) -> list:
     for system, seeds in runs.items():
         if not seeds:
             continue  # failed: the first table says so
-        first, last = zip(*(tenths(steps) for steps in seeds.values()))
-        rise = statistics.mean(last) * 100 - statistics.mean(first) * 100
+        first, last, rise = seeds_tenths(seeds)
         in_band = (
             "-" if system == BASELINE else f"{share_in_band([accuracy(s) for s in seeds.values()], base_curves):.0%}"
         )
@@ -392,6 +391,13 @@ def tenths(steps: list) -> tuple:
     return statistics.mean(raw[:n]), statistics.mean(raw[-n:])
 
 
+def seeds_tenths(seeds: dict) -> tuple:
+    """Each seed's accuracy over its first and its last tenth of steps (``tenths``), and the rise of their means in
+    points."""
+    first, last = zip(*(tenths(steps) for steps in seeds.values()))
+    return first, last, statistics.mean(last) * 100 - statistics.mean(first) * 100
+
+
 def tenths_table(runs: dict) -> list:
     """Per system, the sampled accuracy over the first and the last tenth of its steps and the rise between them,
     means over the seeds (lowest-highest). A step trains 32 prompts, and their mix of short and long sums moves its
@@ -408,8 +414,7 @@ def tenths_table(runs: dict) -> list:
     for system, seeds in runs.items():
         if not seeds:
             continue  # failed: the first table says so
-        first, last = zip(*(tenths(steps) for steps in seeds.values()))
-        rise = statistics.mean(last) * 100 - statistics.mean(first) * 100
+        first, last, rise = seeds_tenths(seeds)
         lines.append(f"| {system} | {_spread(first, '.1%')} | {_spread(last, '.1%')} | {rise:+.1f} |")
     return lines
 
