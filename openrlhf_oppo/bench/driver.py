@@ -47,16 +47,15 @@ def split(argv: list):
     """The benchmark's flags of ``argv`` (a namespace: the switches, and the valued options as floats or None) and
     the others, in their order: the CLI's."""
     flags = {f"--bench.{name}" for name in OPTIONS}
-    workload = argparse.Namespace(**{name: f"--bench.{name}" in argv for name in OPTIONS})
+    workload = argparse.Namespace(
+        **{name: f"--bench.{name}" in argv for name in OPTIONS}, **{name: None for name in VALUED}
+    )
     rest, args = [], iter(argv)
     for arg in args:
-        name = arg.removeprefix("--bench.")
-        if name in VALUED:
-            setattr(workload, name, float(next(args)))
+        if arg.startswith("--bench.") and arg.removeprefix("--bench.") in VALUED:
+            setattr(workload, arg.removeprefix("--bench."), float(next(args)))
         elif arg not in flags:
             rest.append(arg)
-    for name in VALUED:
-        setattr(workload, name, getattr(workload, name, None))
     return workload, rest
 
 
