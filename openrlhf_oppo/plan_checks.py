@@ -7,6 +7,7 @@ with what is wrong and what to use instead.
 
 import os
 
+from openrlhf_oppo import topology
 from openrlhf_oppo.config import ALL_OPTIONS, STREAMING_ONLY, WITHOUT_ENABLE, OPPOConfigError
 from openrlhf_oppo.streaming.chunking import CANDIDATES as CHUNK_CANDIDATES
 
@@ -65,9 +66,9 @@ def check_frozen_beside_vllm(args, opts) -> None:
             "--oppo.frozen_scorers_on generation places the reward and reference models on the vLLM engines' GPUs "
             "of the split placement: add --oppo.colocate_models, or use --oppo.frozen_scorers_on models."
         )
-    engine_gpus = (args.vllm.num_engines or 0) * args.vllm.tensor_parallel_size
-    for group in ("reward", "ref"):
-        ranks = getattr(args, group).num_nodes * getattr(args, group).num_gpus_per_node
+    engine_gpus = topology.ranks(args, topology.ENGINES)
+    for role in topology.FROZEN:
+        group, ranks = topology.FLAG_GROUP[role], topology.ranks(args, role)
         if ranks != engine_gpus:
             raise OPPOConfigError(
                 f"--oppo.frozen_scorers_on generation puts one {group} rank on each vLLM GPU: set "
