@@ -515,6 +515,10 @@ def test_the_same_curve_report_comes_from_the_raw_results_of_runs_side_by_side(t
         assert alone[system] == pytest.approx(sum(walls) / len(walls))
 
     lines = report.table(results).splitlines()
+    # The runs shared the machine: the first table's step and minutes are those of the step time alone too.
+    rows = _rows(lines, next(line for line in lines if line.startswith("| system | seeds | step (s) |")))
+    for system in runs:
+        assert rows[system][1] == f"{alone[system]:.2f}"
     header = next(line for line in lines if line.startswith("| system | seeds | rise (points) |"))
     rows = _rows(lines, header)
     base = runs["upstream-sync"]

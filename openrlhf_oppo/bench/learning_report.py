@@ -170,6 +170,7 @@ def table(results: dict) -> str:
     target, runs = task["target"], runs_by_system(results)
     warm, prompts = task["warmup"], task["prompts"]
     seeds = sorted({r["seed"] for r in results["systems"].values()})
+    alone, (at_minutes, _) = alone_step_seconds(results), clock(results)
     # Results merged from several invocations on fresh machines may start from warm-ups trained anew.
     starts = sorted({f"{r['warmup_accuracy']:.1%}" for r in results["systems"].values()})
     lines = [
@@ -190,13 +191,18 @@ def table(results: dict) -> str:
         + ".",
         "",
         f"Accuracy of the sampled responses ({SMOOTHING}-step moving mean; start and end: the mean of the first and"
-        f" of the last {SMOOTHING} steps), means over the seeds (lowest-highest); target {target:.0%}.",
+        f" of the last {SMOOTHING} steps), means over the seeds (lowest-highest); target {target:.0%}."
+        + (
+            " Step and minutes: each system's step time measured alone on the machine (the runs shared it)."
+            if alone
+            else ""
+        ),
         "",
         "| system | seeds | step (s) | accuracy, start | accuracy, end | rise (points) | seeds at target"
         " | step to target | minutes to target | minutes vs sync | steps in sync's band |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base_minutes = _minutes_to_target(runs.get(BASELINE, {}), target)
+    base_minutes = _minutes_to_target(runs.get(BASELINE, {}), target, at_minutes, BASELINE)
     for system, seeds in runs.items():
         attempted = [r for r in results["systems"].values() if r["system"] == system and not r.get("alone")]
         if not seeds:
@@ -205,7 +211,10 @@ def table(results: dict) -> str:
             continue
         curves = [accuracy(steps) for steps in seeds.values()]
         start, end = [accuracy(steps[:SMOOTHING])[-1] for steps in seeds.values()], [c[-1] for c in curves]
-        step_s = [statistics.mean(step_seconds(steps)) for steps in seeds.values()]
+        if alone:  # one step time per system, measured alone
+            step_s = [alone[system]] if system in alone else []
+        else:
+            step_s = [statistics.mean(step_seconds(steps)) for steps in seeds.values()]
         in_band = "-"
         if system != BASELINE and len(runs.get(BASELINE, {})) > 1:
             in_band = f"{share_in_band(curves, [accuracy(s) for s in runs[BASELINE].values()]):.0%}"
@@ -213,7 +222,7 @@ def table(results: dict) -> str:
             f"| {system} | {len(seeds)}{f' of {len(attempted)}' if len(attempted) > len(seeds) else ''}"
             f" | {_spread(step_s, '.2f')} | {_spread(start, '.1%')} | {_spread(end, '.1%')}"
             f" | {statistics.mean(end) * 100 - statistics.mean(start) * 100:+.1f}"
-            f" | {_time_to(seeds, target, base_minutes)} | {in_band} |"
+            f" | {_time_to(seeds, target, base_minutes, at_minutes, system)} | {in_band} |"
         )
     if any(len(steps) // 10 > SMOOTHING for seeds in runs.values() for steps in seeds.values()):
         lines += ["", *tenths_table(runs)]
@@ -223,8 +232,7 @@ def table(results: dict) -> str:
         lines += ["", *digits_table(runs)]
     level = sync_end_level(runs)
     if base_minutes is None and level is not None:
-        lines += ["", *sync_end_table(runs, level)]
-    alone = alone_step_seconds(results)
+        lines += ["", *sync_end_table(runs, level, at_minutes)]
     if alone and runs.get(BASELINE):
         lines += ["", *same_curve_table(runs, alone)]
     if logs_lag(results):
@@ -445,10 +453,11 @@ def _sampled(warm: dict) -> str:
     )
 
 
-def _time_to(seeds: dict, level: float, base_minutes) -> str:
-    """The cells seeds at ``level``, step, minutes and minutes against upstream sync's ``base_minutes``."""
-    hits = [(i, minutes(steps)[i]) for steps in seeds.values() if (i := reached(steps, level)) is not None]
-    own = _minutes_to_target(seeds, level)
+def _time_to(seeds: dict, level: float, base_minutes, at_minutes, system: str) -> str:
+    """The cells seeds at ``level``, step, minutes (``at_minutes``, ``clock``'s) and minutes against upstream
+    sync's ``base_minutes``."""
+    hits = [(i, at_minutes(system, steps)[i]) for steps in seeds.values() if (i := reached(steps, level)) is not None]
+    own = _minutes_to_target(seeds, level, at_minutes, system)
     return (
         f"{len(hits)}/{len(seeds)} | {_spread([i + 1 for i, _ in hits], '.0f')}"
         f" | {_spread([m for _, m in hits], '.1f')} | {f'{own / base_minutes:.2f}x' if own and base_minutes else '-'}"
@@ -466,10 +475,10 @@ def sync_end_level(runs: dict):
     return level if level > max(accuracy(s[:SMOOTHING])[-1] for s in seeds) else None
 
 
-def sync_end_table(runs: dict, level: float) -> list:
-    """Per system, the step and minutes at which its seeds first reach upstream sync's end accuracy ``level``
-    (``sync_end_level``), means over the seeds (lowest-highest)."""
-    base = _minutes_to_target(runs[BASELINE], level)
+def sync_end_table(runs: dict, level: float, at_minutes) -> list:
+    """Per system, the step and minutes (``at_minutes``, ``clock``'s) at which its seeds first reach upstream sync's
+    end accuracy ``level`` (``sync_end_level``), means over the seeds (lowest-highest)."""
+    base = _minutes_to_target(runs[BASELINE], level, at_minutes, BASELINE)
     lines = [
         f"Time to upstream sync's end accuracy ({level:.1%}, the lowest of its seeds' last {SMOOTHING}-step means;"
         " the sampled responses' accuracy as above), means over the seeds (lowest-highest).",
@@ -479,7 +488,7 @@ def sync_end_table(runs: dict, level: float) -> list:
     ]
     for system, seeds in runs.items():
         if seeds:  # a failed system: the first table says so
-            lines.append(f"| {system} | {_time_to(seeds, level, base)} |")
+            lines.append(f"| {system} | {_time_to(seeds, level, base, at_minutes, system)} |")
     return lines
 
 
@@ -488,6 +497,7 @@ def heldout_table(results: dict) -> list:
     last evaluation can fall after its run ends), and the first evaluation at or above the target (its step and
     minutes), means over the seeds (lowest-highest)."""
     target, runs = results["task"]["target"], runs_by_system(results)
+    at_minutes, _ = clock(results)
     # Per system and seed: step index -> held-out accuracy.
     evaluations = {system: [dict(heldout(steps)) for steps in seeds.values()] for system, seeds in runs.items()}
     common = sorted(set.intersection(*(set(e) for per_seed in evaluations.values() for e in per_seed)))
@@ -510,7 +520,7 @@ def heldout_table(results: dict) -> list:
 
     hits = {
         system: [
-            (i, minutes(steps)[i])
+            (i, at_minutes(system, steps)[i])
             for steps, evaluated in zip(seeds.values(), evaluations[system])
             if (i := first_hit(evaluated)) is not None
         ]
@@ -535,12 +545,13 @@ def heldout_table(results: dict) -> list:
     return lines
 
 
-def _minutes_to_target(seeds: dict, target: float):
-    """The mean over the seeds of the minutes to the target, if every seed reached it."""
+def _minutes_to_target(seeds: dict, target: float, at_minutes, system: str):
+    """The mean over the seeds of the minutes (``at_minutes``, ``clock``'s) to the target, if every seed reached
+    it."""
     hits = [reached(steps, target) for steps in seeds.values()]
     if not seeds or None in hits:
         return None
-    return statistics.mean(minutes(steps)[i] for steps, i in zip(seeds.values(), hits))
+    return statistics.mean(at_minutes(system, steps)[i] for steps, i in zip(seeds.values(), hits))
 
 
 def _spread(values: list, spec: str) -> str:
