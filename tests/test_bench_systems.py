@@ -351,6 +351,33 @@ def test_a_system_run_again_reads_its_own_steps_only(tmp_path, monkeypatch):
     assert result["steps"] == [] and result["summary"] == {}
 
 
+@pytest.mark.process
+def test_a_run_with_a_kv_cache_of_its_own_size_starts_beside_other_runs_without_waiting(tmp_path, monkeypatch, capsys):
+    """A run that waits for a busy GPU waits and warns (vLLM sizes its KV cache from the memory free); one whose
+    engines get a KV cache of a given size (``--bench.kv_cache_gb``, runs side by side) starts at once, and both
+    record the memory in use at their start."""
+    from argparse import Namespace
+
+    from openrlhf_oppo.bench import __main__ as harness
+
+    waits = []
+
+    def busy_gpu(wait_s):  # NVML's reading of a GPU that another run holds
+        waits.append(wait_s)
+        return [(0, 40.0)]
+
+    monkeypatch.setattr(harness, "wait_for_free_gpus", busy_gpu)
+    monkeypatch.setattr(harness, "_stop", lambda process: process.wait(timeout=120))
+    args = Namespace(scratch=str(tmp_path), warmup=0, steps=1, timeout=120)
+    for flags, wait_s, warned in (
+        (["--no.such_flag"], 30, True),
+        (["--bench.kv_cache_gb", "2", "--no.such_flag"], 0, False),
+    ):
+        result = harness.run_system("upstream-sync", flags, args)  # stops at its parser
+        assert waits.pop() == wait_s and result["gpu_gib_in_use_at_start"] == [(0, 40.0)]
+        assert ("GPU 0 with 40.0 GiB in use" in capsys.readouterr().out) == warned
+
+
 @pytest.mark.parametrize(
     "placement, systems, message",
     [
