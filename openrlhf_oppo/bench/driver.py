@@ -52,8 +52,9 @@ def split(argv: list):
     )
     rest, args = [], iter(argv)
     for arg in args:
-        if arg.startswith("--bench.") and arg.removeprefix("--bench.") in VALUED:
-            setattr(workload, arg.removeprefix("--bench."), float(next(args)))
+        name = arg.removeprefix("--bench.")
+        if arg.startswith("--bench.") and name in VALUED:
+            setattr(workload, name, float(next(args)))
         elif arg not in flags:
             rest.append(arg)
     return workload, rest
