@@ -461,6 +461,16 @@ def test_the_warm_up_stops_where_pass_at_samples_leaves_room_above_the_sampled_a
     assert not warmup.stop_here(dict(sampled_accuracy=0.25, pass_at_samples=0.9), 0.2, headroom=0.35)  # too high
 
 
+def test_the_warm_up_checks_every_step_once_its_sampled_accuracy_rises():
+    """Sampled accuracy can go from 9% to 20% in 10 steps, past the steps where the headroom rule held: from a
+    quarter of the target on, each step is checked; without the rule, or before any check, every ``eval_every``."""
+    low, rising = dict(sampled_accuracy=0.01), dict(sampled_accuracy=0.087)
+    assert warmup.steps_to_next_check([], 10, 0.2, headroom=0.35) == 10
+    assert warmup.steps_to_next_check([low], 10, 0.2, headroom=0.35) == 10
+    assert warmup.steps_to_next_check([low, rising], 10, 0.2, headroom=0.35) == 1
+    assert warmup.steps_to_next_check([dict(rising, accuracy=0.3)], 10, 0.2) == 10
+
+
 def test_runs_side_by_side_share_a_warm_up_made_before(tmp_path):
     """``--warmup_from``: the folder's summary as it is, refused for other sums or no warm-up at all; its weights'
     hash names the model every run started from."""

@@ -84,7 +84,8 @@ def test_results_page_is_the_summary_of_the_run_folders():
         name = Path(folder).name
         assert page.count(f"[{name}](results/{name}/)") == 1, name
     headings = [line for line in page.splitlines() if line.startswith("## ")]
-    assert headings[:4] == [
+    assert headings[:5] == [
+        "## Colocated, 1 GPU, qwen2.5-0.5b",
         "## Colocated, 1 GPU, qwen2.5-1.5b",
         "## Split, 2 GPUs, qwen2.5-1.5b",
         "## Split, 4 GPUs, qwen2.5-3b",

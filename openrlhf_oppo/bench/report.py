@@ -765,17 +765,13 @@ def summary(folders: list) -> str:
 # The README's results: (run folder, OPPO system, the flags it was given besides OpenRLHF's own).
 HEADLINE = (
     ("colocated-1gpu-1.5b-lognormal-mean700-patched-hybrid-engine-80gb-sync-and-flag-swap", "oppo", "`--oppo.enable`"),
+    ("colocated-1gpu-0.5b-lognormal-mean700-patched-hybrid-engine-80gb-sync-and-flag-swap", "oppo", "`--oppo.enable`"),
     ("colocated-1gpu-1.5b-lognormal-mean700-patched-flag-swap", "oppo", "`--oppo.enable`"),
     (
         "split-2gpu-1.5b-lognormal-patched-policy-logprobs-vllm-delta64-defer4-critic-catch-up-next-batch",
         "oppo-both-delta64-defer4-policy-logprobs-vllm-critic-catch-up-next-batch",
         "`oppo-both` `--oppo.overcommit 64 --oppo.max_defer_steps 4 --oppo.policy_logprobs vllm "
         "--oppo.critic_catch_up next_batch`",
-    ),
-    (
-        "split-2gpu-1.5b-bimodal-patched-policy-logprobs-vllm-delta64-defer4-critic-catch-up-next-batch",
-        "oppo-both-delta64-defer4-policy-logprobs-vllm-critic-catch-up-next-batch",
-        "the same",
     ),
     (
         "split-4gpu-3b-lognormal-patched-8-steps",
