@@ -8,12 +8,14 @@ process holds there:
 * vLLM: its share of the GPU (``--vllm.gpu_memory_utilization``) while awake, a little while asleep
   (``--vllm.enable_sleep``), its weights alone in the hybrid engine's weight sync;
 * the models' residents: bf16 weights (2 bytes a parameter, sharded under ZeRO-3), and for the policy and the
-  critic their DeepSpeed states (fp32 master and Adam, 12 bytes, sharded from ZeRO-1; bf16 gradients) while on
-  the GPU, and the fp32 gradient partition (4 bytes) that the first optimizer step leaves there;
+  critic their DeepSpeed states (fp32 master and Adam, 12 bytes, sharded from ZeRO-1; bf16 gradients in their own
+  fit) while on the GPU, and the fp32 gradient partition (4 bytes) that the first optimizer step leaves cached
+  there (the process's other transients are cut from it outside its fit);
 * transients: the logits of a forward pass (upstream's log-probs: bf16 and float32 copies) and of a training
   micro-batch (with their gradients, and the caching allocator's share of freed blocks that later, larger
-  micro-batches cannot reuse), the layers' activations, and OPPO's streamed scorers: their KV cache budget and a
-  prefill pass of ``--oppo.max_prefill_tokens``.
+  micro-batches cannot reuse), the layers' activations, DeepSpeed's gradient reduction bucket in a fit, and OPPO's
+  streamed scorers: the KV cache their live sequences hold (within ``--oppo.cache_budget_gb``) and a prefill pass
+  of ``--oppo.max_prefill_tokens``, more for the frozen ones, whose CUDA cache is never emptied.
 
 Which processes overlap follows upstream: make_experience runs the forward passes one at a time where upstream
 waits for each (``--train.colocate_all``, ``colocate_actor_ref``, ``colocate_critic_reward``) and together
@@ -21,8 +23,8 @@ otherwise, and a forward whose CUDA cache upstream never empties keeps it throug
 critic train one after the other under ``--ds.enable_sleep`` (states moved on and off the GPU around each fit)
 and at once without it. The sequences are taken at their longest (``--data.max_len``).
 
-The constants are NVML readings of H200 runs (the memory each process reserves, not what its tensors use):
-docs/memory.md lists the parts and compares the estimate with every stored run.
+The constants are NVML and allocator readings of H200 and H100 runs (the memory each process reserves, not what its
+tensors use): docs/memory.md lists the parts and compares the estimate with every stored run.
 """
 
 import json
@@ -47,11 +49,18 @@ FORWARD_BYTES_PER_LOGIT = 6.5
 TRAIN_BYTES_PER_LOGIT = 15.0
 # A fit's micro-batches differ in length: the caching allocator keeps blocks that later ones cannot reuse. What a
 # fit reserves beyond one micro-batch at the longest length is about this many sequences' worth of it.
-TRAIN_SLACK_SEQUENCES = 2.0
+TRAIN_SLACK_SEQUENCES = 2.1
 # One prefill pass of a streamed scorer: its activations, the gathered cache and float32 logit rows, with the
 # allocator's slack (the cache of different lengths each pass).
 PREFILL_SLACK = 0.8
 SCORER_LOGIT_ROWS = 2048  # ChunkScorer's max_logit_rows
+# A frozen scorer's process (reward, reference) never empties its CUDA cache: no fit does it for it, so the blocks
+# that prefills of other shapes freed stay reserved beside its KV cache and prefill, step after step. The critic's
+# fit empties its cache every step.
+FROZEN_SCORER_RESERVE = 1.3
+# DeepSpeed's gradient reduction bucket (``reduce_bucket_size``, which OpenRLHF leaves at DeepSpeed's default), in
+# the model's dtype: the backward of each micro-batch of a fit fills one.
+REDUCE_BUCKET_ELEMENTS = 500_000_000
 
 
 @dataclass(frozen=True)
@@ -222,6 +231,7 @@ FLAGS = {
     "scorer cache": "--oppo.cache_budget_gb",
     "scorer prefill": "--oppo.max_prefill_tokens",
     "fp32 grads": "--ds.zero_stage",
+    "reduce bucket": None,
     "weights": "--ds.zero_stage",
 }
 
@@ -247,12 +257,12 @@ class _Sizes:
         offload = role in FROZEN and getattr(self.args, topology.FLAG_GROUP[role]).offload
         return 0.0 if offload else 2 * self.params(role) / self.shard(role, 3)
 
-    def states(self, role: str) -> float:
+    def states(self, role: str, fitting: bool = True) -> float:
         """DeepSpeed's states that --ds.enable_sleep moves: fp32 master and Adam (none under --ds.adam_offload),
-        and the bf16 gradient partition."""
+        and, in the model's own fit, the bf16 gradient partition (ZeRO-1/2 frees it after the optimizer step)."""
         p = self.params(role)
         optimizer = 0 if self.adam_offload else 12 * p / self.shard(role, 1)
-        return optimizer + 2 * p / self.shard(role, 2)
+        return optimizer + (2 * p / self.shard(role, 2) if fitting else 0)
 
     def fp32_grads(self, role: str) -> float:
         """The fp32 gradient partition the optimizer step builds and leaves cached (on the host with CPU Adam)."""
@@ -260,10 +270,17 @@ class _Sizes:
 
     def sync_buffer(self) -> float:
         """The policy's copy of what it sends to the engines at once: a bucket (``--vllm.sync_bucket_mb``, where
-        patches/openrlhf is applied) or one tensor, the largest being the embeddings."""
+        patches/openrlhf is applied, its default as the plan takes it) or one tensor, the largest being the
+        embeddings. Engines on the policy's GPUs (CUDA IPC) keep a bucket's memory alive until they have loaded it,
+        while the policy packs the next one: two at once."""
         shape = self.shapes["policy"]
-        bucket = getattr(self.args.vllm, "sync_bucket_mb", 0) * 2**20
-        return max(bucket, 2 * shape.vocab_size * shape.hidden_size)
+        bucket = getattr(self.args.vllm, "sync_bucket_mb", config.SYNC_BUCKET_MB) * 2**20
+        at_once = 2 if self.args.train.colocate_all else 1
+        return at_once * max(bucket, 2 * shape.vocab_size * shape.hidden_size)
+
+    def reduce_bucket(self) -> float:
+        """The bf16 bucket DeepSpeed's backward reduces the gradients through, whatever the model's size."""
+        return 2 * REDUCE_BUCKET_ELEMENTS
 
     def gathered(self, role: str) -> float:
         """ZeRO-3 gathers a few layers' weights around the one it computes."""
@@ -294,15 +311,37 @@ class _Sizes:
             return logits + n * (shape.num_layers * 2 * shape.hidden_size + shape.layer_bytes_per_token)
         return logits + n * shape.num_layers * shape.layer_bytes_per_token
 
-    def prefill(self, role: str) -> float:
-        """One streamed prefill pass: ``--oppo.max_prefill_tokens`` new tokens over the gathered cache, and the
-        float32 logit rows of the log-prob roles."""
+    def cached(self, role: str, budget_gib: float) -> float:
+        """What a streamed scorer's live sequences hold in its KV cache, within ``--oppo.cache_budget_gb``. A step
+        completes rollout batch x n_samples sequences, shared among the role's ranks; each one's cache grows from
+        nothing to its length while it decodes and is dropped when it ends, so on average the live ones hold half of
+        theirs (at the longest)."""
         shape = self.shapes[role]
-        work = self.options.max_prefill_tokens * (shape.forward_bytes_per_token + shape.kv_bytes_per_token)
-        work += self.options.max_prefill_cached_tokens * shape.kv_bytes_per_token
+        sequences = (
+            self.args.rollout.batch_size * self.args.rollout.n_samples_per_prompt / topology.ranks(self.args, role)
+        )
+        return min(budget_gib * GIB, sequences * self.longest / 2 * shape.kv_bytes_per_token)
+
+    def scorer_cache(self, role: str, budget_gib: float) -> float:
+        return self.cached(role, budget_gib) * self._reserve(role)
+
+    def prefill(self, role: str, budget_gib: float) -> float:
+        """One streamed prefill pass: ``--oppo.max_prefill_tokens`` new tokens over the gathered cache (at most
+        ``--oppo.max_prefill_cached_tokens``, at most what the scorer holds: the gathered copy and the copy the
+        model's cache concatenates with the new keys and values), and the logit rows of the log-prob roles."""
+        shape = self.shapes[role]
+        kv = shape.kv_bytes_per_token
+        gathered = min(self.options.max_prefill_cached_tokens, self.cached(role, budget_gib) / kv)
+        work = self.options.max_prefill_tokens * (shape.forward_bytes_per_token + 2 * kv) + gathered * 2 * kv
         if role in LOG_PROBS:
-            work += SCORER_LOGIT_ROWS * shape.vocab_size * 10  # bf16 and float32 rows, float32 log-softmax
-        return PREFILL_SLACK * work + self.gathered(role)
+            # bf16 rows from the head and their float32 copy; the log-softmax is fused (flash-attn's cross-entropy,
+            # or upstream's chunked logsumexp), with no full-size copy.
+            work += SCORER_LOGIT_ROWS * shape.vocab_size * 6
+        return PREFILL_SLACK * work * self._reserve(role) + self.gathered(role)
+
+    @staticmethod
+    def _reserve(role: str) -> float:
+        return FROZEN_SCORER_RESERVE if role in FROZEN else 1.0
 
 
 def _experience_waves(args, roles: tuple, streamed: tuple) -> Tuple[list, set]:
@@ -342,16 +381,17 @@ def _gpu_phases(
     streamed = tuple(role for role in models if role in layout.streamed_roles)
     parts = {}
 
-    def base(trainables_on: tuple) -> list:
-        """What the models hold in any phase: contexts, weights, the states of ``trainables_on``, OPPO's caches."""
+    def base(trainables_on: tuple, fitting: tuple = ()) -> list:
+        """What the models hold in any phase: contexts, weights, the states of ``trainables_on`` (with their
+        gradients for the models in ``fitting``), OPPO's caches."""
         rows = [("CUDA contexts", len(models) * PROCESS_GIB * GIB)] if models else []
         for role in models:
             rows.append((f"{role} weights", sizes.weights(role)))
             if role in trainables_on:  # --ds.enable_sleep moves the fp32 gradients with the states
-                rows.append((f"{role} states", sizes.states(role)))
+                rows.append((f"{role} states", sizes.states(role, fitting=role in fitting)))
                 rows.append((f"{role} fp32 grads", sizes.fp32_grads(role)))
             if role in streamed:
-                rows.append((f"{role} scorer cache", layout.cache_budget_gb * GIB))
+                rows.append((f"{role} scorer cache", sizes.scorer_cache(role, layout.cache_budget_gb)))
         return rows
 
     def engine(awake: bool, weights_only: bool = False) -> list:
@@ -370,7 +410,11 @@ def _gpu_phases(
         return rows
 
     def prefill(roles) -> list:
-        return [(f"{role} scorer prefill", sizes.prefill(role)) for role in roles if role in streamed]
+        return [
+            (f"{role} scorer prefill", sizes.prefill(role, layout.cache_budget_gb))
+            for role in roles
+            if role in streamed
+        ]
 
     between = () if layout.ds_sleep else TRAINABLE
     frozen_streamed = tuple(role for role in streamed if role in FROZEN)
@@ -396,16 +440,35 @@ def _gpu_phases(
         name = "training" if len(fits) == 1 else f"training ({fit[0]})"
         parts[name] = (
             engine(awake_after_generation)
-            + base(on)
+            + base(on, fitting=fit)
             + kept_rows
             + [(f"{role} training", sizes.training(role)) for role in fit]
+            + [(f"{role} reduce bucket", sizes.reduce_bucket()) for role in fit]
         )
     if not fits:
         parts["training"] = engine(awake_after_generation) + base(()) + kept_rows
 
     sending = [("policy sync buffer", sizes.sync_buffer())] if "policy" in models else []
     parts["weight sync"] = engine(layout.vllm_awake, weights_only=True) + base(between) + kept_rows + sending
-    return parts
+    fitting = {name: {role for role in TRAINABLE if f"{role} training" in dict(rows)} for name, rows in parts.items()}
+    return {name: _reuse_cached_grads(rows, fitting[name]) for name, rows in parts.items()}
+
+
+TRANSIENTS = ("forward", "scorer cache", "scorer prefill", "sync buffer")
+
+
+def _reuse_cached_grads(rows: list, fitting: set) -> list:
+    """Outside its fit, a model's fp32 gradient partition is a freed block its process's allocator keeps: that
+    process's other tensors (a forward, a scorer's cache and prefill, the sync buffer) are cut from it before the
+    allocator reserves more. Counts of the block only what they leave unused."""
+    out = []
+    for name, size in rows:
+        role = name.split(" ")[0]
+        if name.endswith("fp32 grads") and role not in fitting:
+            used = sum(b for n, b in rows if n.startswith(f"{role} ") and n.endswith(TRANSIENTS))
+            size = max(0.0, size - used)
+        out.append((name, size))
+    return out
 
 
 def estimate(args, layout: Layout, gpu_gib: float, shapes=None, longest: Optional[int] = None) -> Estimate:

@@ -15,11 +15,11 @@ import io
 import os
 import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
-from openrlhf_oppo import memory, tiny
+from openrlhf_oppo import memory, plan, tiny, topology
 from openrlhf_oppo.bench import report
 from openrlhf_oppo.plan import resolve
 
@@ -90,13 +90,43 @@ def gpu_gib(results: dict) -> float:
 
 
 def run_estimate(results: dict, result: dict) -> memory.Estimate:
-    """The estimate for one system of a run, from its flags, the run's shape and its longest sequence."""
+    """The estimate for one system of a run, from its flags, the run's shape and its longest sequence, in the
+    layout the run had (``run_layout``)."""
     shape = memory.model_shape(tiny.qwen2_config(results["settings"]["shape"]))
     shapes = dict(policy=shape, reference=shape, critic=shape, reward=shape)
     longest = results["settings"]["prompt_tokens"] + results["workload"]["max_length"]
-    args = _args(result["flags"] + _plan_flags(result["flags"], gpu_gib(results)), results["settings"]["shape"])
-    layout = resolve(args).memory.layout
+    args, layout = run_layout(results, result)
     return memory.estimate(args, layout, gpu_gib(results), shapes=shapes, longest=longest)
+
+
+def run_layout(results: dict, result: dict):
+    """The parsed flags of one system and the memory layout it ran with: its plan rebuilt on the run's GPU, with
+    the scorers it streamed to where its steps record them (``streamed_roles``). A plan rebuilt with today's
+    estimate may keep less streaming than the run's own plan did; the estimate is of what ran, so the rebuild then
+    keeps streaming on (``--oppo.intra_step on``) to the roles the run streamed to. The run's cache budget is not
+    recorded: the rebuild takes the largest the plan gives (``plan.CACHE_BUDGET_GB``), where the flags give none."""
+    flags = result["flags"] + _plan_flags(result["flags"], gpu_gib(results))
+    recorded = streamed_roles(result)
+    shape = results["settings"]["shape"]
+    args = _args(flags, shape)
+    layout = resolve(args).memory.layout
+    if recorded is None or set(layout.streamed_roles) == recorded:
+        return args, layout
+    pins = [] if "--oppo.intra_step" in flags else ["--oppo.intra_step", "on"]
+    pins += [] if "--oppo.cache_budget_gb" in flags else ["--oppo.cache_budget_gb", str(plan.CACHE_BUDGET_GB)]
+    if pins:
+        args = _args(flags + pins, shape)
+        layout = resolve(args).memory.layout
+    roles = tuple(role for role in topology.models(args) if role in recorded)
+    return args, replace(layout, streamed_roles=roles)
+
+
+def streamed_roles(result: dict) -> Optional[set]:
+    """The roles a system streamed to: its scorers report ``oppo/streaming_off/<role>`` every step, one per
+    streamed role. None where no step has one: nothing streamed, or a run from before the metric."""
+    prefix = "oppo/streaming_off/"
+    roles = {key[len(prefix) :] for step in result.get("steps") or [] for key in step if key.startswith(prefix)}
+    return roles or None
 
 
 def _plan_flags(flags: list, gpu_gib: float) -> list:
