@@ -551,6 +551,11 @@ def test_the_same_curve_report_comes_from_the_raw_results_of_runs_side_by_side(t
     )
     assert rows["oppo"][2] == f"{in_band:.0%}" and rows["upstream-sync"][2] == "-"
 
+    # The settings are the learning runs', wherever the step times alone sort among the files.
+    alone_file, *learning_files = sorted(report.raw_files(LEARNING_CPU), key=lambda path: "speed-alone" not in path)
+    assert report.merge([alone_file, *learning_files])["settings"] == results["settings"]
+    assert not results["settings"].get("speed_alone")
+
     # The policy lag: OPPO's only, from its steps.
     rows = _rows(lines, next(line for line in lines if line.startswith("| system | lag, mean |")))
     oppo = [s for steps in runs["oppo"].values() for s in steps]

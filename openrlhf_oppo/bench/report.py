@@ -663,16 +663,21 @@ def gpu_memory_peaks(result: dict) -> list:
 
 
 def merge(paths: list) -> dict:
-    """Results of several invocations on one machine, systems in order (later ones win a name clash)."""
+    """Results of several invocations on one machine, systems in order (later ones win a name clash). The
+    settings are the first file's, and a learning benchmark's step times alone (``--speed_alone``, a few steps
+    without evaluations) come after its learning runs, whatever their files' names, so that they are the runs'."""
     merged = None
-    for path in paths:
-        results = drop_cut_short(load(path))
+    for results in sorted((drop_cut_short(load(path)) for path in paths), key=_speed_alone_only):
         if merged is None:
             merged = results
         else:
             merged["systems"].update(results["systems"])
             merged["command"] += " ; " + results["command"]
     return merged
+
+
+def _speed_alone_only(results: dict) -> bool:
+    return bool(results["systems"]) and all(result.get("alone") for result in results["systems"].values())
 
 
 def run_results(folder: str) -> dict:
