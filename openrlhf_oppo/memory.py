@@ -435,9 +435,11 @@ def _gpu_phases(
         fits = [(role,) for role in trainables]  # one fit at a time, its states moved on and off around it
     else:
         fits = [trainables] if trainables else []
+    fitting = {}  # phase -> the models whose fit it is: their cached fp32 gradients are in use there
     for fit in fits:
         on = trainables if (not layout.ds_sleep or layout.state_moves == "overlap") else fit
         name = "training" if len(fits) == 1 else f"training ({fit[0]})"
+        fitting[name] = set(fit)
         parts[name] = (
             engine(awake_after_generation)
             + base(on, fitting=fit)
@@ -450,8 +452,7 @@ def _gpu_phases(
 
     sending = [("policy sync buffer", sizes.sync_buffer())] if "policy" in models else []
     parts["weight sync"] = engine(layout.vllm_awake, weights_only=True) + base(between) + kept_rows + sending
-    fitting = {name: {role for role in TRAINABLE if f"{role} training" in dict(rows)} for name, rows in parts.items()}
-    return {name: _reuse_cached_grads(rows, fitting[name]) for name, rows in parts.items()}
+    return {name: _reuse_cached_grads(rows, fitting.get(name, set())) for name, rows in parts.items()}
 
 
 TRANSIENTS = ("forward", "scorer cache", "scorer prefill", "sync buffer")

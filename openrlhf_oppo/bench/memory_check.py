@@ -21,7 +21,6 @@ from typing import Optional
 
 from openrlhf_oppo import memory, plan, tiny, topology
 from openrlhf_oppo.bench import report
-from openrlhf_oppo.plan import resolve
 
 TOLERANCE = 0.15
 # The benchmark's GPUs, as NVML counts them (MiB).
@@ -109,14 +108,14 @@ def run_layout(results: dict, result: dict):
     recorded = streamed_roles(result)
     shape = results["settings"]["shape"]
     args = _args(flags, shape)
-    layout = resolve(args).memory.layout
+    layout = plan.resolve(args).memory.layout
     if recorded is None or set(layout.streamed_roles) == recorded:
         return args, layout
     pins = [] if "--oppo.intra_step" in flags else ["--oppo.intra_step", "on"]
     pins += [] if "--oppo.cache_budget_gb" in flags else ["--oppo.cache_budget_gb", str(plan.CACHE_BUDGET_GB)]
     if pins:
         args = _args(flags + pins, shape)
-        layout = resolve(args).memory.layout
+        layout = plan.resolve(args).memory.layout
     roles = tuple(role for role in topology.models(args) if role in recorded)
     return args, replace(layout, streamed_roles=roles)
 
