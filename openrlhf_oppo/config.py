@@ -137,7 +137,12 @@ ADVANCED = {
         "auto",
     ),
     "overcommit_dec": (
-        dict(type=_int_or_auto("--oppo.overcommit_dec", 1), help="Groups Delta shrinks by (auto: an eighth of B)."),
+        dict(
+            type=_int_or_auto("--oppo.overcommit_dec", 1),
+            help="Groups Delta shrinks by where steps wait for groups the lag bound made due; a step that "
+            "starts with at least this many groups beyond B done has a surplus, and a window of them shrinks Delta "
+            "by the smallest surplus (auto: an eighth of B).",
+        ),
         "auto",
     ),
     "overcommit_min": (dict(type=_bounded(int, "--oppo.overcommit_min", 0), help="Lower bound of Delta."), 0),

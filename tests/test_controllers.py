@@ -132,8 +132,9 @@ def test_throughput_rule_lowers_a_delta_that_only_adds_lag():
     # Nearly everything finishes during training: a large Delta leaves groups waiting a step longer.
     controller = ThroughputController(initial=16, auto=True, batch=32, window=3, maximum=16)
     deltas, waited = drive(controller, Rollouts(batch=32, p_done=0.95, seed=2), 80)
-    assert deltas[:3] == [16, 16, 15] and max(deltas[40:]) <= 4  # down, and it stays small
-    assert sum(waited) <= 12  # B groups were still ready at most steps' start
+    # Down by the window's smallest surplus (11 groups) at once, not by one group a window, and it stays small.
+    assert deltas[:3] == [16, 16, 5] and max(deltas[40:]) <= 4
+    assert sum(waited) <= 20  # B groups were still ready at most steps' start
 
 
 def test_throughput_rule_stays_within_its_bounds():
@@ -141,9 +142,12 @@ def test_throughput_rule_stays_within_its_bounds():
     rollouts = Rollouts(batch=32, p_done=0.5, top_up_at_step_end=False, seed=3)
     controller = ThroughputController(initial=2, auto=True, batch=32, window=2, maximum=8)
     assert drive(controller, rollouts, 30)[0][-14:] == [8] * 14
-    # Everything done at the start, always: down to the minimum and no further.
+    # Everything done at the start, always: down to the minimum in one window and no further.
     controller = ThroughputController(initial=6, auto=True, batch=4, window=2, minimum=3, maximum=8)
-    assert [controller.record_generation(0.01, 12) for _ in range(10)] == [6, 5, 5, 4, 4, 3, 3, 3, 3, 3]
+    assert [controller.record_generation(0.01, 12) for _ in range(6)] == [6, 3, 3, 3, 3, 3]
+    # A surplus of ``dec`` groups, the least that counts, shrinks by ``dec``.
+    controller = ThroughputController(initial=6, auto=True, batch=4, window=2, dec=2, maximum=8)
+    assert [controller.record_generation(0.01, 6) for _ in range(4)] == [6, 4, 4, 2]
 
 
 def test_throughput_rule_ignores_short_waits_and_rewards():
@@ -162,6 +166,12 @@ def test_throughput_rule_fixed_delta_and_state():
     restored = ThroughputController(initial=0, auto=True, batch=8, window=3, maximum=8)
     restored.load_state_dict(auto.state_dict())
     assert restored.record_generation(5.0, 0) == auto.record_generation(5.0, 0) == 4
+    # The surpluses a restored rule judges by are the saved ones: 9 groups above B, then 5.
+    surplus = ThroughputController(initial=16, auto=True, batch=8, window=3, maximum=16)
+    surplus.record_generation(0.0, 17)
+    surplus.record_generation(0.0, 13)
+    restored.load_state_dict(surplus.state_dict())
+    assert restored.record_generation(0.0, 24) == surplus.record_generation(0.0, 24) == 11
     assert OvercommitController(initial=3, auto=True).record_generation(5.0, 0) == 3  # not the slope rule's input
 
 

@@ -11,11 +11,19 @@ samples generator reports, per step, how long it waited for the B-th group and h
 already done when the step started. A step *waited* if fewer than B groups were done at its start and
 the B-th came more than ``tolerance_s`` later; it had a *surplus* if at least B + ``dec`` groups were
 done at its start: those beyond B are carried once more, a weight version older, for no gain. Over the
-last ``w`` steps since Delta last changed: if most waited, Delta grows by ``inc``; if all had a surplus,
-it shrinks by ``dec``, which still leaves B groups done; if most waited past the B-th group for groups that the lag
-bound made due (``overdue``: more in flight than the bound lets carry), it shrinks too; otherwise it stays. The two cannot hold in one
-step, and every change waits for ``w`` steps measured after it, so noise does not move Delta to and fro.
-Its cost is the policy lag of the carried groups (``oppo/policy_lag_mean``), which Delta bounds.
+last ``w`` steps since Delta last changed:
+
+* if most waited, Delta grows by ``inc``;
+* if all had a surplus, it shrinks by the smallest surplus of the window. With a share f of the groups in
+  flight done, shrinking a surplus s away leaves B + s(1 - f) done, still B; a Delta far above need comes
+  down in one window, where ``dec`` a window would keep the trained samples a weight version older for many;
+* if most waited past the B-th group for groups that the lag bound made due (``overdue``: more in flight
+  than the bound lets carry), it shrinks by ``dec``;
+* otherwise it stays.
+
+The first two cannot hold in one step, and every change waits for ``w`` steps measured after it, so noise
+does not move Delta to and fro. Its cost is the policy lag of the carried groups (``oppo/policy_lag_mean``),
+which Delta bounds.
 
 Either way Delta stays in ``[minimum, maximum]``. Each controller ignores the input of the other rule,
 so the samples generator feeds both the same way.
@@ -91,6 +99,7 @@ class ThroughputController:
         self.minimum, self.maximum = minimum, maximum
         self.tolerance_s = tolerance_s
         self.verdicts = deque(maxlen=window)  # "waited", "overdue", "surplus" or "ok", since Delta last changed
+        self.surpluses = deque(maxlen=window)  # groups done beyond B at each of those steps' start
 
     def record_generation(self, wait_s: float, done_at_start: int, overdue_wait_s: float = 0.0) -> int:
         """Record a step's wait for its B-th group, its wait past it for the groups it had to train (the lag bound's
@@ -104,6 +113,7 @@ class ThroughputController:
             self.verdicts.append("surplus")
         else:
             self.verdicts.append("ok")
+        self.surpluses.append(done_at_start - self.batch)
         if not self.auto or len(self.verdicts) < self.verdicts.maxlen:
             return self.delta
         before = self.delta
@@ -112,18 +122,21 @@ class ThroughputController:
         elif self.verdicts.count("overdue") * 2 > len(self.verdicts):
             self.delta = max(self.minimum, self.delta - self.dec)
         elif self.verdicts.count("surplus") == len(self.verdicts):
-            self.delta = max(self.minimum, self.delta - self.dec)
+            self.delta = max(self.minimum, self.delta - min(self.surpluses))
         if self.delta != before:
             self.verdicts.clear()  # judge the new Delta on steps that ran with it
+            self.surpluses.clear()
         return self.delta
 
     def update(self, mean_reward: float) -> int:
         return self.delta  # the reward-slope rule's input
 
     def state_dict(self) -> dict:
-        return dict(delta=self.delta, verdicts=list(self.verdicts))
+        return dict(delta=self.delta, verdicts=list(self.verdicts), surpluses=list(self.surpluses))
 
     def load_state_dict(self, state: dict) -> None:
         self.delta = state["delta"]
         self.verdicts.clear()
         self.verdicts.extend(state.get("verdicts", []))
+        self.surpluses.clear()
+        self.surpluses.extend(state.get("surpluses", [0] * len(self.verdicts)))
