@@ -3,6 +3,8 @@ cache, and the convergence table and plots on known curves. (End to end on CPU: 
 
 import json
 import os
+import random
+import statistics
 
 import pytest
 
@@ -304,6 +306,18 @@ def test_the_band_is_the_baseline_seeds_range_step_by_step():
     assert learning_report.accuracy(_steps([0.0, 0.3, 0.6, 0.9], 1)) == pytest.approx([0.0, 0.15, 0.3, 0.6])
 
 
+def test_a_mean_of_three_seeds_lies_in_a_band_of_three_at_about_63_percent_where_nothing_differs():
+    """The yardstick of "steps in sync's band": two systems that learn alike, seed noise normal and independent.
+    Every split of the six runs sees the same thing."""
+    rng = random.Random(0)
+    shares = []
+    for _ in range(200):
+        runs = [[rng.gauss(0.0, 1.0) for _ in range(100)] for _ in range(6)]
+        shares.append(learning_report.share_in_band(runs[:3], runs[3:]))
+        assert 0.4 < statistics.median(learning_report.shares_in_band_by_split(runs[:3], runs[3:])) < 0.85
+    assert 0.60 < statistics.mean(shares) < 0.66
+
+
 def test_held_out_accuracy_has_its_own_table_and_time_to_target(tmp_path):
     """Steps followed by an evaluation carry OpenRLHF's ``eval/eval_default_pass1``: the held-out table gives the
     accuracy at the first and last step evaluated in every run (upstream async's last evaluation can be missing)
@@ -536,20 +550,28 @@ def test_the_same_curve_report_comes_from_the_raw_results_of_runs_side_by_side(t
     for system, seeds in runs.items():
         first, last = zip(*(learning_report.tenths(steps) for steps in seeds.values()))
         assert rows[system][1] == f"{(sum(last) - sum(first)) / 3 * 100:+.1f}"
-        assert rows[system][3] == f"{(sum(last) / 3 - final) * 100:+.1f}"
-        assert rows[system][4] == f"{alone[system]:.2f}"
+        assert rows[system][4] == f"{(sum(last) / 3 - final) * 100:+.1f}"
+        assert rows[system][5] == f"{alone[system]:.2f}"
         # The first step at which the seeds' mean curve reaches sync's final accuracy, at the step time alone.
         curves = [learning_report.accuracy(steps) for steps in seeds.values()]
         mean = [sum(c[i] for c in curves) / 3 for i in range(min(map(len, curves)))]
         step = next((i + 1 for i, value in enumerate(mean) if value >= final), None)
-        assert rows[system][5] == ("-" if step is None else str(step))
+        assert rows[system][6] == ("-" if step is None else str(step))
         if step is not None:
-            assert rows[system][6] == f"{step * alone[system] / 60:.1f}"
+            assert rows[system][7] == f"{step * alone[system] / 60:.1f}"
     in_band = learning_report.share_in_band(
         [learning_report.accuracy(s) for s in runs["oppo"].values()],
         [learning_report.accuracy(s) for s in base.values()],
     )
     assert rows["oppo"][2] == f"{in_band:.0%}" and rows["upstream-sync"][2] == "-"
+    # Every split of the six runs into two groups of three, the actual one among them.
+    splits = learning_report.shares_in_band_by_split(
+        [learning_report.accuracy(s) for s in runs["oppo"].values()],
+        [learning_report.accuracy(s) for s in base.values()],
+    )
+    assert len(splits) == 20 and in_band in splits
+    median = sorted(splits)[9:11]
+    assert rows["oppo"][3] == f"{sum(median) / 2:.0%} ({min(splits):.0%}-{max(splits):.0%})"
 
     # The settings are the learning runs', wherever the step times alone sort among the files.
     alone_file, *learning_files = sorted(report.raw_files(LEARNING_CPU), key=lambda path: "speed-alone" not in path)
