@@ -379,6 +379,22 @@ def test_time_in_the_loop_excludes_evaluations_only_where_they_paused_training()
     assert learning_report.minutes(beside) == pytest.approx([10 / 60, 20 / 60])
 
 
+def test_a_larger_digits_sigma_gives_the_same_mean_a_longer_tail(tmp_path):
+    """``--digits_sigma``: more short sums and more long ones at the same mean, in the prompts, the warm-up's settings
+    and the report's line on the prompts; a negative one is refused."""
+    args = learning.parse(["--task", "addition", "--out", "x", "--digits_mean", "2", "--digits_sigma", "1.5"])
+    wide = addition.digit_counts(20000, 0, **dict(addition.DIGITS, mean=2, sigma=args.digits_sigma))
+    narrow = addition.digit_counts(20000, 0, **dict(addition.DIGITS, mean=2))
+    assert sorted(wide)[int(0.99 * len(wide))] > sorted(narrow)[int(0.99 * len(narrow))]
+    assert wide.count(1) > narrow.count(1)
+    assert abs(statistics.mean(wide) - statistics.mean(narrow)) < 0.3
+    with pytest.raises(SystemExit):
+        learning.parse(["--task", "addition", "--out", "x", "--digits_sigma", "-1"])
+    summary = addition.write_prompts(str(tmp_path / "prompts.jsonl"), 200, 0, mean=2, sigma=1.5, high=6)
+    assert summary["digits"]["sigma"] == 1.5
+    assert learning_report._sigma(summary["digits"]) == ", sigma 1.5" and learning_report._sigma(addition.DIGITS) == ""
+
+
 def test_runs_are_evaluated_on_the_warm_ups_held_out_sums():
     args = learning.parse(["--task", "addition", "--out", "x"])
     flags = learning.eval_flags("/w", args.eval_every)

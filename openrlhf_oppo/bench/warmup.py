@@ -1,6 +1,7 @@
 """Supervised warm-up for the learning benchmark: a Qwen2-shaped model learns the addition task part of the way.
 
-    python -m openrlhf_oppo.bench.warmup --out DIR [--shape small] [--target 0.3] [--digits_mean 6] [--headroom 0.35]
+    python -m openrlhf_oppo.bench.warmup --out DIR [--shape small] [--target 0.3] [--digits_mean 6] [--digits_sigma 1]
+        [--headroom 0.35]
 
 Plain PyTorch, on the GPU if there is one. A random-init ``tiny.SHAPES`` model with the byte-level benchmark
 tokenizer (no downloads) trains on fresh sums every step (loss on the response only) until its greedy accuracy
@@ -346,6 +347,9 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--digits_mean", type=float, default=addition.DIGITS["mean"])
     parser.add_argument("--digits_high", type=int, default=addition.DIGITS["high"])
+    parser.add_argument(
+        "--digits_sigma", type=float, default=addition.DIGITS["sigma"], help="sigma of the digits' lognormal"
+    )
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--max_steps", type=int, default=5000)
@@ -361,7 +365,7 @@ def main():
         args.shape,
         args.target,
         args.seed,
-        dict(mean=args.digits_mean, high=args.digits_high),
+        dict(mean=args.digits_mean, sigma=args.digits_sigma, high=args.digits_high),
         batch=args.batch,
         lr=args.lr,
         max_steps=args.max_steps,
