@@ -310,8 +310,8 @@ def same_curve_table(runs: dict, alone: dict) -> list:
         minutes = (step + 1) * step_s / 60 if step is not None and step_s else None
         ratio = f"{minutes / base_minutes:.2f}x" if minutes and base_minutes else "-"
         lines.append(
-            f"| {system} | {len(seeds)} | {rise:+.1f} | {in_band} | {by_split} | {gap:+.1f} | {_or_dash(step_s, '.2f')}"
-            f" | {'-' if step is None else step + 1} | {_or_dash(minutes, '.1f')} | {ratio} |"
+            f"| {system} | {len(seeds)} | {rise:+.1f} | {in_band} | {by_split} | {gap:+.1f}"
+            f" | {_or_dash(step_s, '.2f')} | {'-' if step is None else step + 1} | {_or_dash(minutes, '.1f')} | {ratio} |"
         )
     return lines
 
