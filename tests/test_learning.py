@@ -379,7 +379,7 @@ def test_time_in_the_loop_excludes_evaluations_only_where_they_paused_training()
     assert learning_report.minutes(beside) == pytest.approx([10 / 60, 20 / 60])
 
 
-def test_a_larger_digits_sigma_gives_the_same_mean_a_longer_tail(tmp_path):
+def test_a_larger_digits_sigma_gives_the_same_mean_a_longer_tail(tmp_path, monkeypatch):
     """``--digits_sigma``: more short sums and more long ones at the same mean, in the prompts, the warm-up's settings
     and the report's line on the prompts; a negative one is refused."""
     args = learning.parse(["--task", "addition", "--out", "x", "--digits_mean", "2", "--digits_sigma", "1.5"])
@@ -390,6 +390,10 @@ def test_a_larger_digits_sigma_gives_the_same_mean_a_longer_tail(tmp_path):
     assert abs(statistics.mean(wide) - statistics.mean(narrow)) < 0.3
     with pytest.raises(SystemExit):
         learning.parse(["--task", "addition", "--out", "x", "--digits_sigma", "-1"])
+    monkeypatch.setattr("sys.argv", ["warmup", "--out", str(tmp_path / "warmup"), "--digits_sigma", "-1"])
+    with pytest.raises(SystemExit):
+        warmup.main()  # refused before it trains
+    assert not (tmp_path / "warmup").exists()
     summary = addition.write_prompts(str(tmp_path / "prompts.jsonl"), 200, 0, mean=2, sigma=1.5, high=6)
     assert summary["digits"]["sigma"] == 1.5
     assert learning_report._sigma(summary["digits"]) == ", sigma 1.5" and learning_report._sigma(addition.DIGITS) == ""

@@ -360,6 +360,8 @@ def main():
         "--samples", type=int, default=8, help="responses sampled per held-out sum once saved (PPO's group size)"
     )
     args = parser.parse_args()
+    if args.digits_sigma < 0:
+        parser.error(f"--digits_sigma {args.digits_sigma} must be 0 or more")
     summary = warm_up(
         args.out,
         args.shape,
