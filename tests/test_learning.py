@@ -396,7 +396,10 @@ def test_a_larger_digits_sigma_gives_the_same_mean_a_longer_tail(tmp_path, monke
     assert not (tmp_path / "warmup").exists()
     summary = addition.write_prompts(str(tmp_path / "prompts.jsonl"), 200, 0, mean=2, sigma=1.5, high=6)
     assert summary["digits"]["sigma"] == 1.5
-    assert learning_report._sigma(summary["digits"]) == ", sigma 1.5" and learning_report._sigma(addition.DIGITS) == ""
+    assert (
+        learning_report.digits_sigma(summary["digits"]) == ", sigma 1.5"
+        and learning_report.digits_sigma(addition.DIGITS) == ""
+    )
 
 
 def test_runs_are_evaluated_on_the_warm_ups_held_out_sums():

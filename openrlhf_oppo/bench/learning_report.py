@@ -198,7 +198,7 @@ def table(results: dict) -> str:
         + _by_digits(warm)
         + _sampled(warm)
         + f". Prompts: digits up to {prompts['digits']['high']}"
-        f" (lognormal, mean {prompts['digits']['mean']:g}{_sigma(prompts['digits'])}); right responses mean"
+        f" (lognormal, mean {prompts['digits']['mean']:g}{digits_sigma(prompts['digits'])}); right responses mean"
         f" {prompts['mean_length']:.0f}"
         f" tokens, p90 {prompts['p90_length']}, max {prompts['max_length']}. Reward: "
         + CREDITS[prompts.get("credit", "answer")]
@@ -447,7 +447,7 @@ def tenths_table(runs: dict) -> list:
     return lines
 
 
-def _sigma(digits: dict) -> str:
+def digits_sigma(digits: dict) -> str:
     """The lognormal's sigma where it is not the task's default."""
     sigma = digits.get("sigma", addition.DIGITS["sigma"])
     return "" if sigma == addition.DIGITS["sigma"] else f", sigma {sigma:g}"

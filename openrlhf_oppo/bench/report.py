@@ -871,7 +871,8 @@ def _learning_row(name: str, results: dict) -> str:
     and the last 5 steps for a speed run scored by a rule."""
     settings = results["settings"]
     if "task" in results:
-        task = f"{results['task']['name']}, digits mean {results['task']['prompts']['digits']['mean']:g}"
+        digits = results["task"]["prompts"]["digits"]
+        task = f"{results['task']['name']}, digits mean {digits['mean']:g}{learning_report.digits_sigma(digits)}"
         runs = learning_report.runs_by_system(results)
 
         def start_end(steps):
