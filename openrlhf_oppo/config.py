@@ -139,9 +139,9 @@ ADVANCED = {
     "overcommit_dec": (
         dict(
             type=_int_or_auto("--oppo.overcommit_dec", 1),
-            help="Groups Delta shrinks by where steps wait for groups the lag bound made due; a step that "
-            "starts with at least this many groups beyond B done has a surplus, and a window of them shrinks Delta "
-            "by the smallest surplus (auto: an eighth of B).",
+            help="Groups Delta shrinks by where steps without a surplus wait for groups the lag bound made "
+            "due; a step that starts with at least this many groups beyond B done has a surplus, and a window of "
+            "them shrinks Delta by the smallest surplus (auto: an eighth of B).",
         ),
         "auto",
     ),

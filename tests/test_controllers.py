@@ -5,6 +5,7 @@ taken from recorded Chrome traces (``TRACES``) by ``extract_trace``; to write th
 ``PYTHONPATH=. python tests/test_controllers.py``.
 """
 
+import gzip
 import json
 import random
 import re
@@ -150,6 +151,36 @@ def test_throughput_rule_stays_within_its_bounds():
     assert [controller.record_generation(0.01, 6) for _ in range(4)] == [6, 4, 4, 2]
 
 
+LONG_TAIL_RUN = ROOT / "docs/results/learning-1gpu-small-addition-digits-sigma1.6-three-seeds-100-steps"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_throughput_rule_counts_a_surplus_that_waited_for_due_groups(seed):
+    # A recorded learning run with a long tail, Delta starting at B = 32 (window 3, dec 4): all 64 groups were
+    # done at every step's start after the first, and some steps then waited a little for carried groups the lag
+    # bound made due. Those steps had a surplus of 32 all the same: Delta comes down to 0 after the first
+    # window of them, where the run (which judged such steps by their wait) came down by 4 at a time until
+    # step 9 or 20.
+    with gzip.open(LONG_TAIL_RUN / f"results-oppo-seed{seed}.json.gz") as f:
+        (run,) = json.load(f)["systems"].values()
+    steps = run["steps"][:4]  # the steps before Delta first changed in that run
+    assert [step["oppo/overcommit"] for step in steps] == [32] * 4
+    controller = ThroughputController(initial=32, auto=True, batch=32, window=3, dec=4, maximum=32)
+    deltas = [
+        controller.record_generation(
+            step["oppo/bth_group_done_s"], step["oppo/groups_done_at_start"], step["oppo/overdue_wait_s"]
+        )
+        for step in steps
+    ]
+    assert deltas == [32, 32, 32, 0]
+    assert any(step["oppo/overdue_wait_s"] > controller.tolerance_s for step in steps[1:])  # waited for due groups
+
+
+def test_throughput_rule_shrinks_by_dec_for_due_groups_without_a_surplus():
+    controller = ThroughputController(initial=32, auto=True, batch=32, window=3, dec=4, maximum=32)
+    assert [controller.record_generation(0.05, 32, 0.3) for _ in range(4)] == [32, 32, 28, 28]
+
+
 def test_throughput_rule_ignores_short_waits_and_rewards():
     controller = ThroughputController(initial=4, auto=True, batch=8, window=2, maximum=8, tolerance_s=0.1)
     assert [controller.record_generation(0.05, 7) for _ in range(6)] == [4] * 6  # within the tolerance
@@ -172,6 +203,10 @@ def test_throughput_rule_fixed_delta_and_state():
     surplus.record_generation(0.0, 13)
     restored.load_state_dict(surplus.state_dict())
     assert restored.record_generation(0.0, 24) == surplus.record_generation(0.0, 24) == 11
+    # A checkpoint from before surpluses were saved: its surplus verdicts stand for ``dec`` groups each.
+    restored = ThroughputController(initial=0, auto=True, batch=8, window=3, dec=2, maximum=16)
+    restored.load_state_dict(dict(delta=16, verdicts=["surplus", "surplus"]))
+    assert restored.record_generation(0.0, 24) == 14
     assert OvercommitController(initial=3, auto=True).record_generation(5.0, 0) == 3  # not the slope rule's input
 
 

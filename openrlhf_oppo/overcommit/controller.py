@@ -16,9 +16,11 @@ last ``w`` steps since Delta last changed:
 * if most waited, Delta grows by ``inc``;
 * if all had a surplus, it shrinks by the smallest surplus of the window. With a share f of the groups in
   flight done, shrinking a surplus s away leaves B + s(1 - f) done, still B; a Delta far above need comes
-  down in one window, where ``dec`` a window would keep the trained samples a weight version older for many;
-* if most waited past the B-th group for groups that the lag bound made due (``overdue``: more in flight
-  than the bound lets carry), it shrinks by ``dec``;
+  down in one window, where ``dec`` a window would keep the trained samples a weight version older for many.
+  A step with a surplus counts as one even where it then waited for groups the lag bound made due: on a long
+  tail, short waits for those marked most windows of a Delta far above need, which then came down by ``dec``;
+* if most waited past the B-th group, without a surplus, for groups that the lag bound made due
+  (``overdue``: more in flight than the bound lets carry), it shrinks by ``dec``;
 * otherwise it stays.
 
 The first two cannot hold in one step, and every change waits for ``w`` steps measured after it, so noise
@@ -107,10 +109,12 @@ class ThroughputController:
         waited = done_at_start < self.batch and wait_s > self.tolerance_s
         if waited and overdue_wait_s <= self.tolerance_s:
             self.verdicts.append("waited")
+        elif done_at_start >= self.batch + self.dec:
+            # A surplus even where the step then waited for due groups: those are carried ones, and fewer groups
+            # in flight carry fewer to their deadline, so the surplus, not ``dec``, is what Delta can lose.
+            self.verdicts.append("surplus")
         elif overdue_wait_s > self.tolerance_s and not waited:
             self.verdicts.append("overdue")
-        elif done_at_start >= self.batch + self.dec:
-            self.verdicts.append("surplus")
         else:
             self.verdicts.append("ok")
         self.surpluses.append(done_at_start - self.batch)
@@ -139,4 +143,5 @@ class ThroughputController:
         self.verdicts.clear()
         self.verdicts.extend(state.get("verdicts", []))
         self.surpluses.clear()
-        self.surpluses.extend(state.get("surpluses", [0] * len(self.verdicts)))
+        # A checkpoint from before surpluses were saved: ``dec`` is the least a surplus verdict stands for.
+        self.surpluses.extend(state.get("surpluses", [self.dec] * len(self.verdicts)))
