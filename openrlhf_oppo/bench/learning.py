@@ -99,14 +99,7 @@ def parse(argv=None):
         help="PPO steps between greedy evaluations on the warm-up's held-out sums, the same prompts for every "
         "system (OpenRLHF's --eval.*); 0: none",
     )
-    parser.add_argument("--digits_mean", type=float, default=addition.DIGITS["mean"])
-    parser.add_argument("--digits_high", type=int, default=addition.DIGITS["high"])
-    parser.add_argument(
-        "--digits_sigma",
-        type=float,
-        default=addition.DIGITS["sigma"],
-        help="sigma of the digits' lognormal: above 1, more short sums and a longer tail of long ones",
-    )
+    warmup.add_digits_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="the warm-up's and the prompts' seed")
     parser.add_argument("--cache_budget_gb", type=float, default=2.0)
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per run before it is stopped")
@@ -162,8 +155,6 @@ def parse(argv=None):
     samples = args.batch * args.n_samples
     if args.updates < 1 or samples % args.updates:
         parser.error(f"--updates {args.updates} must divide the {samples} samples of a step (--batch x --n_samples)")
-    if args.digits_sigma < 0:
-        parser.error(f"--digits_sigma {args.digits_sigma} must be 0 or more")
     args.systems = args.systems or ",".join(LEARNING_SYSTEMS[args.placement])
     refuse_what_the_placement_cannot_run(parser, args.systems, args.placement)
     if args.train_micro_batch is not None and (samples // args.updates) % args.train_micro_batch:
@@ -197,7 +188,7 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
         patched = make_patched_copy(os.path.join(args.scratch, "openrlhf-patched"))
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (patched, os.environ.get("PYTHONPATH")) if p)
 
-    digits = dict(mean=args.digits_mean, sigma=args.digits_sigma, high=args.digits_high)
+    digits = warmup.digits_of(args)
     warm_dir = args.warmup_from or workdir
     if args.warmup_from:
         os.makedirs(workdir, exist_ok=True)

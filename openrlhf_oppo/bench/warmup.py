@@ -327,6 +327,31 @@ def _responses(model, tokenizer, pairs, max_new_tokens: int, device, batch: int,
     return responses
 
 
+def add_digits_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sums' digits (``addition.DIGITS``), for the warm-up and the learning benchmark alike: a run can only
+    start from a warm-up made on the same sums (``made_before``)."""
+    parser.add_argument("--digits_mean", type=float, default=addition.DIGITS["mean"])
+    parser.add_argument("--digits_high", type=int, default=addition.DIGITS["high"])
+    parser.add_argument(
+        "--digits_sigma",
+        type=_sigma,
+        default=addition.DIGITS["sigma"],
+        help="sigma of the digits' lognormal: above 1, more short sums and a longer tail of long ones",
+    )
+
+
+def _sigma(value: str) -> float:
+    sigma = float(value)
+    if sigma < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return sigma
+
+
+def digits_of(args: argparse.Namespace) -> dict:
+    """The digits ``add_digits_arguments`` read, as ``addition.problems`` takes them."""
+    return dict(mean=args.digits_mean, sigma=args.digits_sigma, high=args.digits_high)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the workload folder (models/ and warmup.json go there)")
@@ -345,11 +370,7 @@ def main():
         "stop short of it once the sampled accuracy passes --target",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--digits_mean", type=float, default=addition.DIGITS["mean"])
-    parser.add_argument("--digits_high", type=int, default=addition.DIGITS["high"])
-    parser.add_argument(
-        "--digits_sigma", type=float, default=addition.DIGITS["sigma"], help="sigma of the digits' lognormal"
-    )
+    add_digits_arguments(parser)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--max_steps", type=int, default=5000)
@@ -360,14 +381,12 @@ def main():
         "--samples", type=int, default=8, help="responses sampled per held-out sum once saved (PPO's group size)"
     )
     args = parser.parse_args()
-    if args.digits_sigma < 0:
-        parser.error(f"--digits_sigma {args.digits_sigma} must be 0 or more")
     summary = warm_up(
         args.out,
         args.shape,
         args.target,
         args.seed,
-        dict(mean=args.digits_mean, sigma=args.digits_sigma, high=args.digits_high),
+        digits_of(args),
         batch=args.batch,
         lr=args.lr,
         max_steps=args.max_steps,
