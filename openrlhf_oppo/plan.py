@@ -225,6 +225,14 @@ class Plan:
     def resumes_for_training(self) -> bool:
         return self.pauses_after_generation and self.carry.colocated_decode == "during_training"
 
+    @property
+    def top_up_before_training(self) -> bool:
+        """``--oppo.top_up step_end`` on engines that pause while the step makes its experiences and decode beside
+        training: the next step's prompts start as training does, not before the pause. Added just before it, they
+        would only wait in the paused engine, and the pause would wait behind them: the rollout actor's event loop
+        takes a few hundred new requests in before it answers."""
+        return self.carry.top_up == "step_end" and self.resumes_for_training
+
 
 def _stages_weights(carry: Carry, sync: Sync) -> bool:
     """Engines apart and awake receive the weights into a staging copy while carried requests decode; without

@@ -212,17 +212,21 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         """OPPO's phase, with inter-step overlap: the step's groups are done, and those it carries go on. Hold:
         until the weight sync, the carried sequences' chunks for the models about to train only queue (their scores
         would use weights about to change). New prompts for the next step may start now (``--oppo.top_up
-        step_end``) and decode through training. Then the engines do what the plan picked for them
-        (``engines_after_generation``). Without inter-step overlap upstream's generation ended it all."""
+        step_end``) and decode through training, unless the engines pause now: then they start with training
+        (``_train``). Then the engines do what the plan picked for them (``engines_after_generation``). Without
+        inter-step overlap upstream's generation ended it all."""
         if not self.plan.inter_step:
             return
         with self._timed("end_of_generation"):
             with self.tracer.span("hold", track="trainer"):
                 self.coordinator.hold()
-            if self.plan.carry.top_up == "step_end":
-                with self.tracer.span("top_up", track="trainer"):
-                    self.samples_generator.top_up_next_step(self.generate_kwargs)
+            if self.plan.carry.top_up == "step_end" and not self.plan.top_up_before_training:
+                self._top_up_next_step()
             self.engines_after_generation()
+
+    def _top_up_next_step(self) -> None:
+        with self.tracer.span("top_up", track="trainer"):
+            self.samples_generator.top_up_next_step(self.generate_kwargs)
 
     def _pick_engines_after_generation(self):
         """What the engines do when the step's groups are done, from the placement: asleep between steps
@@ -295,9 +299,12 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
     def _train(self, global_step) -> dict:
         """Upstream's "Perform PPO optimization for actor/critic and gather metrics" (its ``ppo_train`` call, timed
         as ``timing/ppo_train``; the critic's hook is inside, ``ppo_train``). OPPO's change: first, the engines do
-        what the plan picked for them (``engines_before_training``)."""
+        what the plan picked for them (``engines_before_training``), and the next step's prompts start where the
+        engines paused when generation ended (``Plan.top_up_before_training``)."""
         with self._timed("ppo_train"):
             paused = self.engines_before_training()
+            if self.plan.top_up_before_training:
+                self._top_up_next_step()
             with phase("training"):
                 status = self.ppo_train(global_step)
             status.update(paused)

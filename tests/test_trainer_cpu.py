@@ -109,6 +109,34 @@ def timed_phases(trace: str) -> list:
     return sorted((e for e in events if e["tid"] == "trainer" and e["name"] in STEP_PHASES), key=lambda e: e["ts"])
 
 
+def test_colocated_engines_take_the_next_prompts_as_training_starts(checkpoints, engine, tmp_path):
+    """Awake engines on the models' GPUs pause while the step makes its experiences and decode beside training
+    (--oppo.colocated_decode during_training); with --oppo.top_up step_end the next step's prompts start as
+    training does, after the restart: added before the pause, they would only wait in the paused engine, and the
+    pause behind them."""
+    prompts = str(tmp_path / "prompts.jsonl")
+    tiny.write_prompts(prompts, LENGTHS, seed=3)
+    steps = run(
+        checkpoints, engine, tmp_path, prompts,
+        "--oppo.enable", "--oppo.overcommit", "2", "--oppo.chunk_size", "8", "--oppo.max_lag", "2",
+        "--train.colocate_all", "--oppo.colocated_decode", "during_training", "--oppo.top_up", "step_end",
+        "--oppo.trace_dir", str(tmp_path / "trace"),
+    )  # fmt: skip
+    assert max(s["oppo/topped_up_at_step_end"] for s in steps) > 0
+    paused_steps = 0
+    for trace in sorted(glob.glob(str(tmp_path / "trace" / "step_*.json"))):
+        spans = {e["name"]: e for e in json.load(open(trace))["traceEvents"] if e["tid"] == "trainer"}
+        if "top_up" not in spans:
+            continue  # the episode's last step: no next prompts
+        assert (
+            spans["ppo_train"]["ts"] <= spans["top_up"]["ts"] <= spans["ppo_train"]["ts"] + spans["ppo_train"]["dur"]
+        )
+        if "pause" in spans:
+            paused_steps += 1
+            assert spans["pause"]["ts"] < spans["unpause"]["ts"] <= spans["top_up"]["ts"]
+    assert paused_steps > 0  # some steps carried groups, paused and restarted
+
+
 def test_a_step_reads_as_its_phases():
     """``train_step`` stays a short list of phase calls, each phase a method that times itself (``_timed``)."""
     from openrlhf_oppo.trainer import OPPOTrainer
