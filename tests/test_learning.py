@@ -626,3 +626,49 @@ def test_the_same_curve_report_comes_from_the_raw_results_of_runs_side_by_side(t
     for plot in ("accuracy-by-step.png", "accuracy-by-time.png", "reward-by-step.png", "reward-by-time.png"):
         assert (tmp_path / plot).stat().st_size > 0
     assert (tmp_path / "lag-by-step.png").stat().st_size > 0
+
+
+def test_runs_cut_short_keep_their_per_step_logs_and_get_the_tables_they_give(tmp_path):
+    """A learning run whose process ended before the benchmark wrote its results.json leaves OpenRLHF's tensorboard
+    log: kept as per-step logs (``write_step_logs``), cut to the steps every run logged, they give the rise, the
+    same curve without minutes, the phases of a step and the lag (``step_logs_table``)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    runs = learning_report.runs_by_system(report.run_results(LEARNING_CPU))
+    tb_dirs = []
+    for system, seeds in runs.items():
+        for seed, steps in seeds.items():
+            tb_dir = tmp_path / "tb" / f"{system}-seed{seed}"
+            tb_dirs.append(str(tb_dir))
+            logged = steps if (system, seed) != ("oppo", 0) else steps[:-1]  # this one stopped a step early
+            with SummaryWriter(str(tb_dir)) as writer:
+                for step in logged:
+                    for key, value in step.items():
+                        if key.startswith(("accuracy", "timing/", "oppo/", "rollout/", "trained_length/")):
+                            writer.add_scalar(f"train/{key}", value, step["step"])
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    learning_report.write_step_logs(str(folder), tb_dirs)
+    kept = learning_report.read_step_logs(str(folder))
+    common = min(len(steps) for seeds in runs.values() for steps in seeds.values()) - 1
+    assert list(kept) == ["upstream-sync", "oppo"]
+    for system, seeds in runs.items():
+        for seed, steps in seeds.items():
+            assert len(kept[system][seed]) == common
+            assert learning_report.raw_accuracy(kept[system][seed]) == pytest.approx(
+                learning_report.raw_accuracy(steps[:common]), abs=1e-6
+            )
+
+    lines = learning_report.step_logs_table(str(folder)).splitlines()
+    rows = _rows(lines, next(line for line in lines if line.startswith("| system | seeds | rise (points) |")))
+    for system, seeds in kept.items():
+        assert rows[system][1] == f"{learning_report.seeds_tenths(seeds)[2]:+.1f}"
+        assert rows[system][5] == rows[system][7] == rows[system][8] == "-"  # no step time alone, no minutes
+    rows = _rows(lines, next(line for line in lines if line.startswith("| system | generation |")))
+    oppo = [s for steps in kept["oppo"].values() for s in steps[5:]]
+    assert rows["oppo"][1] == f"{statistics.mean(s['timing/end_of_generation'] for s in oppo):.2f}"
+    assert rows["upstream-sync"][1] == "-"  # upstream's step has no such phase
+    assert "| system | lag, mean |" in "\n".join(lines) and "lag-by-step.png" not in "\n".join(lines)
+
+    with pytest.raises(ValueError, match="SYSTEM-seedN"):
+        learning_report.write_step_logs(str(folder), [str(tmp_path / "tb" / "oppo")])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_oppo.bench import report
+from openrlhf_oppo.bench import learning_report, report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -26,6 +26,18 @@ def test_each_runs_readme_ends_with_what_its_raw_results_give(folder):
     assert results["commit"], f"{folder.name}: no commit in the raw results and no commit.txt"
     readme = (folder / "README.md").read_text()
     assert readme.startswith(f"# {folder.name}\n") and readme.endswith(report.section(str(folder)))
+
+
+STEP_LOGS = sorted(p for p in RESULTS.iterdir() if p.is_dir() and list(p.glob(learning_report.STEP_LOGS)))
+
+
+@pytest.mark.parametrize("folder", STEP_LOGS, ids=[p.name for p in STEP_LOGS])
+def test_each_folder_of_per_step_logs_ends_with_the_tables_they_give(folder):
+    """Learning runs that ended before the benchmark wrote their results keep their per-step logs; the folder's
+    README ends with what ``learning_report.step_logs_table`` makes of them."""
+    assert not report.raw_files(str(folder))
+    readme = (folder / "README.md").read_text()
+    assert readme.startswith(f"# {folder.name}\n") and readme.endswith(learning_report.step_logs_table(str(folder)))
 
 
 # A run of each kind whose plots report.write draws: by a predicate on its results, the plots expected.

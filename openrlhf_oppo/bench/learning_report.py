@@ -15,12 +15,21 @@ same. Runs of 40 steps or more also get the accuracy over the first and the last
 That accuracy is over the samples each step trains, and OPPO trains each step's first groups to finish (the
 short sums first); runs with evaluations also get the held-out accuracy: greedy, on one set of sums for every
 system (OpenRLHF's ``--eval.*``), unsmoothed, with its own time to the target.
-``report.write`` and ``report.table`` come here for a learning run.
+``report.write`` and ``report.table`` come here for a learning run. A run stopped before the benchmark wrote its
+results keeps its per-step log (``write_step_logs``), whose tables ``step_logs_table`` makes (``python -m
+openrlhf_oppo.bench.learning_report FOLDER``).
 """
 
+import argparse
+import glob
+import gzip
 import itertools
+import json
 import math
+import os
+import re
 import statistics
+import sys
 
 from openrlhf_oppo import lengths
 from openrlhf_oppo.bench import addition
@@ -283,12 +292,16 @@ def same_curve_table(runs: dict, alone: dict) -> list:
 
     base_step = reached_at(runs[BASELINE])
     base_minutes = (base_step + 1) * alone[BASELINE] / 60 if base_step is not None and BASELINE in alone else None
+    timed = (
+        " at each system's step time measured alone on the machine (the learning runs shared it)"
+        if alone
+        else " in steps (no step time was measured alone: no minutes)"
+    )
     lines = [
         f"The same curve: each system's mean over its seeds against upstream sync's seed band (the {SMOOTHING}-step"
-        f" means), and the time to sync's final accuracy ({final:.1%}, the mean of its seeds' last tenths), at"
-        " each system's step time measured alone on the machine (the learning runs shared it). The runs split any"
-        " way: the share in the band for every split of the system's and sync's runs into groups of their sizes,"
-        " what it is where the two learn alike.",
+        f" means), and the time to sync's final accuracy ({final:.1%}, the mean of its seeds' last tenths),{timed}."
+        " The runs split any way: the share in the band for every split of the system's and sync's runs into groups"
+        " of their sizes, what it is where the two learn alike.",
         "",
         "| system | seeds | rise (points) | steps in sync's band | the runs split any way: median (range)"
         " | last tenth vs sync (points) | step alone (s) | step to sync's final | minutes to sync's final | vs sync |",
@@ -329,12 +342,13 @@ def logs_lag(results: dict) -> bool:
     return any(LAG in s for seeds in runs.values() for steps in seeds.values() for s in steps)
 
 
-def lag_table(runs: dict) -> list:
+def lag_table(runs: dict, plotted: bool = True) -> list:
     """Per system, how far behind its trained samples were and how often groups were carried, means over its
     seeds' steps: the policy lag (mean, and the most of any step), the steps that carried groups into the next, the
-    groups carried a step and the carried groups trained."""
+    groups carried a step and the carried groups trained. ``plotted``: the lag per step is drawn too."""
     lines = [
-        "Policy lag and carried groups per step, over every step of every seed (per step: lag-by-step.png).",
+        "Policy lag and carried groups per step, over every step of every seed"
+        + (" (per step: lag-by-step.png)." if plotted else "."),
         "",
         "| system | lag, mean | lag, most | steps carrying groups | groups carried a step | carried groups trained"
         " a step |",
@@ -787,3 +801,99 @@ def _run_label(results: dict) -> str:
     """The task, the model's shape and the GPUs, as the plots' titles name a run."""
     gpus = results["machine"]["gpus"]
     return f"{results['task']['name']}, {results['settings']['shape']}, {len(gpus)}x {gpus[0] if gpus else 'CPU'}"
+
+
+# -- runs that ended before the benchmark wrote their results ------------------------------------------------------
+
+STEP_LOGS = "steps-*.json.gz"
+
+
+def write_step_logs(folder: str, tb_dirs: list) -> None:
+    """Keep each run's per-step log, read from the tensorboard folder OpenRLHF's logger wrote (``report.read_steps``),
+    as ``steps-SYSTEM-seedN.json.gz`` in ``folder``: what is left of a learning run whose process ended before the
+    benchmark wrote its ``results.json``. Each tensorboard folder's name is the run's, ``SYSTEM-seedN``."""
+    from openrlhf_oppo.bench.report import read_steps
+
+    for tb_dir in tb_dirs:
+        name = os.path.basename(os.path.normpath(tb_dir))
+        _system_and_seed(name)  # refuse a name the tables could not read back
+        path = os.path.join(folder, f"steps-{name}.json.gz")
+        with gzip.GzipFile(path, "wb", compresslevel=9, mtime=0) as packed:
+            packed.write(json.dumps(read_steps(tb_dir)).encode())
+
+
+def _system_and_seed(name: str) -> tuple:
+    match = re.fullmatch(r"(.+)-seed(\d+)", name)
+    if not match:
+        raise ValueError(f"{name}: a run's per-step log is named SYSTEM-seedN")
+    return match.group(1), int(match.group(2))
+
+
+def read_step_logs(folder: str) -> dict:
+    """system -> {seed: steps} from ``folder``'s per-step logs (``write_step_logs``), sync first, each run cut to
+    the steps that every run logged, so that the first and the last tenth are the same steps in every run."""
+    runs = {BASELINE: {}}
+    for path in sorted(glob.glob(os.path.join(folder, STEP_LOGS))):
+        system, seed = _system_and_seed(os.path.basename(path).removeprefix("steps-").removesuffix(".json.gz"))
+        with gzip.open(path, "rt") as f:
+            runs.setdefault(system, {})[seed] = json.load(f)
+    common = min(len(steps) for seeds in runs.values() for steps in seeds.values())
+    return {system: {seed: steps[:common] for seed, steps in seeds.items()} for system, seeds in runs.items()}
+
+
+PHASES = ("generation", "end_of_generation", "make_experience", "ppo_train", "broadcast", "step_total")
+
+
+def phase_table(runs: dict, skip: int = 5) -> list:
+    """Per system, the mean seconds of each timed phase of a step (``timing/*``), over every seed's steps after the
+    first ``skip`` (the plan's first window, while Delta comes down): with the runs side by side on one GPU, they
+    say where a system's step goes, not how long it takes alone."""
+    lines = [
+        f"Seconds per step by phase (`timing/*`), means over every seed's steps after the first {skip}, with the runs"
+        " sharing the GPU.",
+        "",
+        "| system | " + " | ".join(PHASES) + " |",
+        "|---|" + "---|" * len(PHASES),
+    ]
+    for system, seeds in runs.items():
+        steps = [s for per_seed in seeds.values() for s in per_seed[skip:]]
+        cells = []
+        for phase in PHASES:
+            seconds = [s[f"timing/{phase}"] for s in steps if f"timing/{phase}" in s]
+            cells.append(f"{statistics.mean(seconds):.2f}" if seconds else "-")
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def step_logs_table(folder: str) -> str:
+    """The tables of a folder of per-step logs (``read_step_logs``): the rise, the same curve against upstream
+    sync's band (no step times alone, so no minutes), the phases of a step, the lag and the lengths trained."""
+    runs = read_step_logs(folder)
+    lines = [*tenths_table(runs), "", *same_curve_table(runs, {}), "", *phase_table(runs)]
+    if any(LAG in s for seeds in runs.values() for steps in seeds.values() for s in steps):
+        lines += ["", *lag_table(runs, plotted=False)]
+    if any(logs_lengths(seeds) for seeds in runs.values()):
+        lines += ["", *length_table(runs)]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description="The learning tables of a folder of per-step logs: runs that ended before the benchmark wrote"
+        " their results.json."
+    )
+    parser.add_argument("folder")
+    parser.add_argument(
+        "--tensorboard",
+        action="append",
+        default=[],
+        help="a run's tensorboard folder, named SYSTEM-seedN, to keep in the folder first (repeat)",
+    )
+    args = parser.parse_args()
+    if args.tensorboard:
+        write_step_logs(args.folder, args.tensorboard)
+    sys.stdout.write(step_logs_table(args.folder))
+
+
+if __name__ == "__main__":
+    main()
