@@ -258,7 +258,7 @@ def table(results: dict) -> str:
         lines += ["", *sync_end_table(runs, level, at_minutes)]
     if alone and runs.get(BASELINE):
         lines += ["", *same_curve_table(runs, alone)]
-    if logs_lag(results):
+    if logs_lag(runs):
         lines += ["", *lag_table(runs)]
     if any(logs_lengths(seeds) for seeds in runs.values()):
         lines += ["", *length_table(runs)]
@@ -336,9 +336,8 @@ def _or_dash(value, spec: str) -> str:
 LAG = "oppo/policy_lag_mean"
 
 
-def logs_lag(results: dict) -> bool:
-    """Whether a run of the results logged the policy lag (OPPO's runs do)."""
-    runs = runs_by_system(results)
+def logs_lag(runs: dict) -> bool:
+    """Whether a run of ``runs`` (system -> seed -> steps) logged the policy lag (OPPO's runs do)."""
     return any(LAG in s for seeds in runs.values() for steps in seeds.values() for s in steps)
 
 
@@ -870,7 +869,7 @@ def step_logs_table(folder: str) -> str:
     sync's band (no step times alone, so no minutes), the phases of a step, the lag and the lengths trained."""
     runs = read_step_logs(folder)
     lines = [*tenths_table(runs), "", *same_curve_table(runs, {}), "", *phase_table(runs)]
-    if any(LAG in s for seeds in runs.values() for steps in seeds.values() for s in steps):
+    if logs_lag(runs):
         lines += ["", *lag_table(runs, plotted=False)]
     if any(logs_lengths(seeds) for seeds in runs.values()):
         lines += ["", *length_table(runs)]
