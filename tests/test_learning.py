@@ -185,11 +185,8 @@ def test_convergence_table_times_the_target_and_checks_the_band(tmp_path):
     )
     failed = dict(system="upstream-async", seed=0, warmup_accuracy=0.3, steps=[], returncode=1)
     results["systems"]["upstream-async-seed0"] = failed
-    rows = {
-        line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
-        for line in report.table(results).splitlines()
-        if line.startswith("| ") and not line.startswith("| system")
-    }
+    lines = report.table(results).splitlines()
+    rows = _rows(lines, next(line for line in lines if line.startswith("| system | seeds | step (s) |")))
     # seeds, step (s), start, end, rise, seeds at target, step, minutes, vs sync, in sync's band
     assert rows["upstream-sync"] == [
         "2", "60.00 (60.00-60.00)", "21.0% (20.0%-22.0%)", "91.0% (90.0%-92.0%)", "+70.0", "2/2", "9 (9-9)",
@@ -341,9 +338,7 @@ def test_held_out_accuracy_has_its_own_table_and_time_to_target(tmp_path):
     assert any(
         line.startswith("Held-out accuracy (greedy, the same 256 sums for every system, every 2") for line in lines
     )
-    start = lines.index("| system | step 2 | step 8 | seeds at target | step to target | minutes to target"
-                        " | minutes vs sync |")  # fmt: skip
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[start + 2 :]}
+    rows = _rows(lines, next(line for line in lines if line.startswith("| system | step 2 | step 8 |")))
     # step 2, step 8, seeds at target, step, minutes, vs sync
     assert rows["upstream-sync"] == [
         "30.0% (30.0%-30.0%)",
@@ -626,6 +621,42 @@ def test_the_same_curve_report_comes_from_the_raw_results_of_runs_side_by_side(t
     for plot in ("accuracy-by-step.png", "accuracy-by-time.png", "reward-by-step.png", "reward-by-time.png"):
         assert (tmp_path / plot).stat().st_size > 0
     assert (tmp_path / "lag-by-step.png").stat().st_size > 0
+
+
+def test_each_seeds_mean_accuracy_and_the_phases_of_the_steps_alone_come_from_the_raw_steps():
+    """Under upstream sync's band a curve can lie lower throughout: each seed's mean over its steps, against sync's
+    lowest and highest seed, says so. The phases of a step are those of the runs that measured it alone."""
+    results = report.run_results(LEARNING_CPU)
+    runs = learning_report.runs_by_system(results)
+    lines = report.table(results).splitlines()
+    rows = _rows(lines, next(line for line in lines if line.startswith("| system | all steps, each seed |")))
+    means = {
+        system: [
+            (statistics.mean(raw), statistics.mean(raw[len(raw) // 4 :]))
+            for raw in (learning_report.raw_accuracy(steps) for steps in seeds.values())
+        ]
+        for system, seeds in runs.items()
+    }
+    base = means["upstream-sync"]
+    for system, per_seed in means.items():
+        for column, i in ((0, 0), (3, 1)):
+            values = sorted(m[i] for m in per_seed)
+            assert rows[system][column] == ", ".join(f"{v:.1%}" for v in values)
+            assert rows[system][column + 1] == f"{statistics.mean(values):.1%}"
+            gap = statistics.mean(values) - statistics.mean(m[i] for m in base)
+            assert rows[system][column + 2] == f"{gap * 100:+.1f}"
+    under = sum(all(m[i] < min(b[i] for b in base) for i in range(2)) for m in means["oppo"])
+    over = sum(all(m[i] > max(b[i] for b in base) for i in range(2)) for m in means["oppo"])
+    assert rows["oppo"][6] == f"{under} / {over} of 3" and rows["upstream-sync"][6] == "-"
+
+    header = next(line for line in lines if line.startswith("| system | generation |"))
+    assert lines[lines.index(header) - 2].endswith("each system's step measured alone on the machine.")
+    rows = _rows(lines, header)
+    for system in runs:
+        (steps,) = [r["steps"] for r in results["systems"].values() if r.get("alone") and r["system"] == system]
+        for cell, phase in zip(rows[system], learning_report.PHASES):
+            seconds = [s[f"timing/{phase}"] for s in steps[1:] if f"timing/{phase}" in s]
+            assert cell == (f"{statistics.mean(seconds):.2f}" if seconds else "-")
 
 
 def test_runs_cut_short_keep_their_per_step_logs_and_get_the_tables_they_give(tmp_path):

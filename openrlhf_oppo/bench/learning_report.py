@@ -11,7 +11,10 @@ one seed there is no band, and the table says nothing of it). Where upstream syn
 target but all end above where they all started, a third table times each system to the accuracy they all
 reached at the end (the lowest of their last smoothed accuracies): the minutes to one accuracy, compared all the
 same. Runs of 40 steps or more also get the accuracy over the first and the last tenth of their steps
-(``tenths_table``): its rise is less at the mercy of a few steps' prompts than the first table's.
+(``tenths_table``): its rise is less at the mercy of a few steps' prompts than the first table's. With two seeds
+of upstream sync or more, each seed's mean over its steps against sync's lowest and highest (``seed_means_table``)
+tells a curve that is lower throughout from one that only leaves the band at times; with step times measured alone,
+their phases say where each system's step goes (``phase_table``).
 That accuracy is over the samples each step trains, and OPPO trains each step's first groups to finish (the
 short sums first); runs with evaluations also get the held-out accuracy: greedy, on one set of sums for every
 system (OpenRLHF's ``--eval.*``), unsmoothed, with its own time to the target.
@@ -258,11 +261,24 @@ def table(results: dict) -> str:
         lines += ["", *sync_end_table(runs, level, at_minutes)]
     if alone and runs.get(BASELINE):
         lines += ["", *same_curve_table(runs, alone)]
+    if len(runs.get(BASELINE, {})) > 1:
+        lines += ["", *seed_means_table(runs)]
+    if alone:
+        lines += ["", *phase_table(alone_runs(results), skip=1, alone=True)]
     if logs_lag(runs):
         lines += ["", *lag_table(runs)]
     if any(logs_lengths(seeds) for seeds in runs.values()):
         lines += ["", *length_table(runs)]
     return "\n".join(lines) + "\n"
+
+
+def alone_runs(results: dict) -> dict:
+    """system -> {seed: steps} of the runs that measured a system's step time alone on the machine."""
+    runs = {}
+    for result in results["systems"].values():
+        if result.get("alone") and result.get("steps"):
+            runs.setdefault(result["system"], {})[result["seed"]] = result["steps"]
+    return runs
 
 
 def alone_step_seconds(results: dict) -> dict:
@@ -327,6 +343,44 @@ def same_curve_table(runs: dict, alone: dict) -> list:
             f" | {_or_dash(step_s, '.2f')} | {'-' if step is None else step + 1} | {_or_dash(minutes, '.1f')} | {ratio} |"
         )
     return lines
+
+
+def seed_means_table(runs: dict) -> list:
+    """Per system, each seed's mean accuracy over all its steps and over the steps after its first quarter, and how
+    many seeds lie under upstream sync's lowest or over its highest. A step's accuracy moves by several points with
+    its prompts, so the band can hold a curve that is lower throughout; the run's mean averages that away, and a
+    system whose every seed is under every sync seed learns less per step."""
+    base = [seed_means(steps) for steps in runs[BASELINE].values()]
+    lowest, highest = [min(means) for means in zip(*base)], [max(means) for means in zip(*base)]
+    lines = [
+        "Mean accuracy of the sampled responses over each seed's steps: all of them, and those after the first"
+        " quarter; the seeds under upstream sync's lowest seed and over its highest.",
+        "",
+        "| system | all steps, each seed | mean | vs sync (points) | after the first quarter, each seed | mean"
+        " | vs sync (points) | seeds under sync's / over sync's |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base_mean = [statistics.mean(means) for means in zip(*base)]
+    for system, seeds in runs.items():
+        if not seeds:
+            continue  # failed: the first table says so
+        per_seed = [seed_means(steps) for steps in seeds.values()]
+        cells = []
+        for i in range(2):
+            values = sorted(means[i] for means in per_seed)
+            mean = statistics.mean(values)
+            cells.append(f"{', '.join(f'{v:.1%}' for v in values)} | {mean:.1%} | {(mean - base_mean[i]) * 100:+.1f}")
+        under = sum(all(m < low for m, low in zip(means, lowest)) for means in per_seed)
+        over = sum(all(m > high for m, high in zip(means, highest)) for means in per_seed)
+        counts = "-" if system == BASELINE else f"{under} / {over} of {len(per_seed)}"
+        lines.append(f"| {system} | {' | '.join(cells)} | {counts} |")
+    return lines
+
+
+def seed_means(steps: list) -> tuple:
+    """A run's mean accuracy over all its steps and over the steps after its first quarter (unsmoothed)."""
+    raw = raw_accuracy(steps)
+    return statistics.mean(raw), statistics.mean(raw[len(raw) // 4 :])
 
 
 def _or_dash(value, spec: str) -> str:
@@ -843,13 +897,14 @@ def read_step_logs(folder: str) -> dict:
 PHASES = ("generation", "end_of_generation", "make_experience", "ppo_train", "broadcast", "step_total")
 
 
-def phase_table(runs: dict, skip: int = 5) -> list:
+def phase_table(runs: dict, skip: int = 5, alone: bool = False) -> list:
     """Per system, the mean seconds of each timed phase of a step (``timing/*``), over every seed's steps after the
-    first ``skip`` (the plan's first window, while Delta comes down): with the runs side by side on one GPU, they
-    say where a system's step goes, not how long it takes alone."""
+    first ``skip`` (the plan's first window, while Delta comes down). With the runs side by side on one GPU, they
+    say where a system's step goes, not how long it takes; ``alone``: the runs that measured the step alone."""
+    where = "each system's step measured alone on the machine" if alone else "with the runs sharing the GPU"
     lines = [
-        f"Seconds per step by phase (`timing/*`), means over every seed's steps after the first {skip}, with the runs"
-        " sharing the GPU.",
+        f"Seconds per step by phase (`timing/*`), means over every seed's steps"
+        f" {'but the first' if skip == 1 else f'after the first {skip}'}, {where}.",
         "",
         "| system | " + " | ".join(PHASES) + " |",
         "|---|" + "---|" * len(PHASES),
