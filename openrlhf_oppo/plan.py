@@ -226,11 +226,12 @@ class Plan:
         return self.pauses_after_generation and self.carry.colocated_decode == "during_training"
 
     @property
-    def top_up_before_training(self) -> bool:
+    def top_up_while_paused(self) -> bool:
         """``--oppo.top_up step_end`` on engines that pause while the step makes its experiences and decode beside
-        training: the next step's prompts start as training does, not before the pause. Added just before it, they
-        would only wait in the paused engine, and the pause would wait behind them: the rollout actor's event loop
-        takes a few hundred new requests in before it answers."""
+        training: the engines pause first, then take the next step's prompts, which wait queued in them and start
+        the moment training does. Added before the pause, the pause would wait behind them (the rollout actor's
+        event loop takes a few hundred new requests in before it answers); added as training starts, they would
+        start late and still be decoding at the weight sync, which then waits for the engines to stop."""
         return self.carry.top_up == "step_end" and self.resumes_for_training
 
 

@@ -212,17 +212,20 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         """OPPO's phase, with inter-step overlap: the step's groups are done, and those it carries go on. Hold:
         until the weight sync, the carried sequences' chunks for the models about to train only queue (their scores
         would use weights about to change). New prompts for the next step may start now (``--oppo.top_up
-        step_end``) and decode through training, unless the engines pause now: then they start with training
-        (``_train``). Then the engines do what the plan picked for them (``engines_after_generation``). Without
-        inter-step overlap upstream's generation ended it all."""
+        step_end``) and decode through training. Then the engines do what the plan picked for them
+        (``engines_after_generation``); engines that pause take the new prompts after the pause, queued until training
+        starts (``Plan.top_up_while_paused``). Without inter-step overlap upstream's generation ended it all."""
         if not self.plan.inter_step:
             return
+        top_up = self.plan.carry.top_up == "step_end"
         with self._timed("end_of_generation"):
             with self.tracer.span("hold", track="trainer"):
                 self.coordinator.hold()
-            if self.plan.carry.top_up == "step_end" and not self.plan.top_up_before_training:
+            if top_up and not self.plan.top_up_while_paused:
                 self._top_up_next_step()
             self.engines_after_generation()
+            if top_up and self.plan.top_up_while_paused:
+                self._top_up_next_step()
 
     def _top_up_next_step(self) -> None:
         with self.tracer.span("top_up", track="trainer"):
@@ -240,14 +243,16 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
         return lambda: None
 
     def _pause_carried_requests(self) -> None:
-        if self.samples_generator.groups:
+        # With no carried request the engines pause all the same where the next step's prompts follow: they wait
+        # queued until training starts, rather than decode beside the experiences.
+        if self.samples_generator.groups or self.plan.top_up_while_paused:
             with self.tracer.span("pause", track="trainer"):
                 self.coordinator.pause(clear_cache=False)
 
     def _unpause_carried_requests(self) -> dict:
         """``--oppo.colocated_decode during_training``: the experiences are made, so the carried requests, which the
-        end of generation paused, decode beside training."""
-        if not self.samples_generator.groups:
+        end of generation paused, decode beside training, and so do the next step's prompts queued behind the pause."""
+        if not (self.samples_generator.groups or self.plan.top_up_while_paused):
             return {}
         with self.tracer.span("unpause", track="trainer"):
             return {"oppo/decoding_paused_s": self.coordinator.unpause()}
@@ -299,12 +304,9 @@ class OPPOTrainer(LengthStats, PPOTrainer.__ray_actor_class__):
     def _train(self, global_step) -> dict:
         """Upstream's "Perform PPO optimization for actor/critic and gather metrics" (its ``ppo_train`` call, timed
         as ``timing/ppo_train``; the critic's hook is inside, ``ppo_train``). OPPO's change: first, the engines do
-        what the plan picked for them (``engines_before_training``), and the next step's prompts start where the
-        engines paused when generation ended (``Plan.top_up_before_training``)."""
+        what the plan picked for them (``engines_before_training``)."""
         with self._timed("ppo_train"):
             paused = self.engines_before_training()
-            if self.plan.top_up_before_training:
-                self._top_up_next_step()
             with phase("training"):
                 status = self.ppo_train(global_step)
             status.update(paused)

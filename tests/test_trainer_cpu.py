@@ -109,11 +109,11 @@ def timed_phases(trace: str) -> list:
     return sorted((e for e in events if e["tid"] == "trainer" and e["name"] in STEP_PHASES), key=lambda e: e["ts"])
 
 
-def test_colocated_engines_take_the_next_prompts_as_training_starts(checkpoints, engine, tmp_path):
+def test_colocated_engines_pause_then_take_the_next_prompts_which_start_with_training(checkpoints, engine, tmp_path):
     """Awake engines on the models' GPUs pause while the step makes its experiences and decode beside training
-    (--oppo.colocated_decode during_training); with --oppo.top_up step_end the next step's prompts start as
-    training does, after the restart: added before the pause, they would only wait in the paused engine, and the
-    pause behind them."""
+    (--oppo.colocated_decode during_training); with --oppo.top_up step_end the next step's prompts go to the
+    engines after the pause, where they wait queued until training restarts the engines: added before the pause,
+    the pause would wait behind them; added as training starts, they would start late."""
     prompts = str(tmp_path / "prompts.jsonl")
     tiny.write_prompts(prompts, LENGTHS, seed=3)
     steps = run(
@@ -123,18 +123,16 @@ def test_colocated_engines_take_the_next_prompts_as_training_starts(checkpoints,
         "--oppo.trace_dir", str(tmp_path / "trace"),
     )  # fmt: skip
     assert max(s["oppo/topped_up_at_step_end"] for s in steps) > 0
-    paused_steps = 0
+    topped_up = 0
     for trace in sorted(glob.glob(str(tmp_path / "trace" / "step_*.json"))):
         spans = {e["name"]: e for e in json.load(open(trace))["traceEvents"] if e["tid"] == "trainer"}
         if "top_up" not in spans:
             continue  # the episode's last step: no next prompts
-        assert (
-            spans["ppo_train"]["ts"] <= spans["top_up"]["ts"] <= spans["ppo_train"]["ts"] + spans["ppo_train"]["dur"]
-        )
-        if "pause" in spans:
-            paused_steps += 1
-            assert spans["pause"]["ts"] < spans["unpause"]["ts"] <= spans["top_up"]["ts"]
-    assert paused_steps > 0  # some steps carried groups, paused and restarted
+        topped_up += 1
+        pause, top_up, unpause, training = spans["pause"], spans["top_up"], spans["unpause"], spans["ppo_train"]
+        assert pause["ts"] + pause["dur"] <= top_up["ts"]  # every step pauses first, carried groups or not
+        assert top_up["ts"] + top_up["dur"] <= training["ts"] <= unpause["ts"]
+    assert topped_up > 0
 
 
 def test_a_step_reads_as_its_phases():

@@ -242,6 +242,29 @@ def test_staged_receive_keeps_decoding_then_pause_load_resume(engine, weights, g
         coordinator.connect(scorer_settings(1 << 30, 1.0), stream_settings(8, salt_prompts=False))
 
 
+def test_prompts_sent_to_paused_engines_wait_queued_until_the_restart(engine, checkpoints):
+    """``Plan.top_up_while_paused``: colocated engines pause as a step's generation ends, then get the next step's
+    prompts, which must not decode beside the experiences, only once training restarts the engines; then they
+    decode as they would have."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints["actor"])
+    greedy = _greedy(8)
+    started = time.time()
+    expected = ray.get(engine.generate_responses.remote(LONG_PROMPT, "8", greedy, 256, tokenizer, 2))
+    unpaused_s = time.time() - started
+    coordinator = StreamCoordinator([engine], {})
+    coordinator.pause(clear_cache=False)
+    try:
+        queued = engine.generate_responses.remote(LONG_PROMPT, "8", greedy, 256, tokenizer, 2)
+        done, _ = ray.wait([queued], timeout=5 * unpaused_s + 1.0)
+        assert not done  # unpaused, the same prompts were done in a fifth of this
+    finally:
+        waited = coordinator.unpause()
+    responses = ray.get(queued, timeout=120)
+    assert waited >= 5 * unpaused_s + 1.0
+    tokens = [r["observation_tokens"] for r in responses]
+    assert tokens == [r["observation_tokens"] for r in expected]
+
+
 @pytest.mark.engine
 def test_patched_upstream_sync_loads_the_new_weights(ray_session, engine, weights, patched_openrlhf):
     """patches/openrlhf/0007: upstream's patched sender, engine call and worker method, against this engine."""
