@@ -588,9 +588,10 @@ def write(results: dict, out: str) -> None:
                 curve=learning_report.reward, what="reward",
             )  # fmt: skip
             learning_report.plot_signals(results, os.path.join(out, "signals-by-step.png"))
-            if learning_report.logs_lag(learning_report.runs_by_system(results)):
+            runs = learning_report.runs_by_system(results)
+            if learning_report.logs_lag(runs):
                 learning_report.plot_lag(results, os.path.join(out, "lag-by-step.png"))
-            if learning_report.logs_digits(learning_report.runs_by_system(results)):
+            if learning_report.logs_digits(runs):
                 learning_report.plot_digits(results, os.path.join(out, "accuracy-by-digits.png"))
         elif is_convergence(results):
             plot_convergence(results, os.path.join(out, "convergence.png"))
