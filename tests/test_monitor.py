@@ -35,7 +35,8 @@ def test_a_run_waits_for_its_gpus_to_be_handed_back_and_names_the_ones_that_are_
 def test_host_cpu_samples_count_the_busy_cores():
     """Without NVML (this CPU machine) the monitor still samples the host's CPU, in cores: while a process
     spins, at least most of one core is busy and never more than the machine has (a percentage or a share
-    of the machine would fail one bound or the other, whatever else runs)."""
+    of the machine would fail one bound or the other, whatever else runs). Samples keep the precision they are
+    read at (milliseconds, hundredths of a core): every digit of the floats made them half of a packed run."""
     spinner = subprocess.Popen(
         [sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"]
     )
@@ -46,3 +47,4 @@ def test_host_cpu_samples_count_the_busy_cores():
     assert monitor.samples == [] and len(monitor.cpu_samples) >= 5
     busy = statistics.mean(cores for _, cores in monitor.cpu_samples)
     assert 0.6 <= busy <= psutil.cpu_count(), busy
+    assert all(t == round(t, 3) and cores == round(cores, 2) for t, cores in monitor.cpu_samples)

@@ -131,8 +131,9 @@ def test_committed_results_stay_small():
 
 @pytest.mark.process
 def test_pack_keeps_the_raw_results_and_drops_what_report_redraws(tmp_path):
-    """``--pack`` gzips the JSON the benchmark wrote (a plain results.json reads the same), and leaves out
-    table.md and the plots; a results.json written after packing is the one read."""
+    """``--pack`` gzips the JSON the benchmark wrote without its indentation (a plain results.json reads the
+    same), and leaves out table.md and the plots; packing again changes nothing; a results.json written after
+    packing is the one read."""
     source, folder = RESULTS / "split-2gpu-1.5b-lognormal-patched-top-up-at-step-end", tmp_path / "a-run"
     shutil.copytree(source, folder)
     packed = report.run_results(str(folder))
@@ -148,6 +149,11 @@ def test_pack_keeps_the_raw_results_and_drops_what_report_redraws(tmp_path):
     assert report.run_results(str(folder)) == packed
     with gzip.open(folder / "results.json.gz", "rt") as f:
         assert json.load(f) == report.load(str(source / "results.json.gz"))
+    indented = gzip.compress(json.dumps(packed, indent=1).encode(), compresslevel=9)
+    assert (folder / "results.json.gz").stat().st_size < len(indented)
+    once = (folder / "results.json.gz").read_bytes()
+    report.pack(str(folder))
+    assert (folder / "results.json.gz").read_bytes() == once
     newer = dict(packed, date="later")
     (folder / "results.json").write_text(json.dumps(newer))
     assert report.run_results(str(folder))["date"] == "later"

@@ -38,11 +38,11 @@ class GPUMonitor:
         cores = psutil.cpu_count()
         while not self._stop.wait(self.interval_s):
             now = time.time()
-            self.cpu_samples.append((now, psutil.cpu_percent() / 100 * cores))
+            self.cpu_samples.append(cpu_sample(now, psutil.cpu_percent() / 100 * cores))
             if handles:
                 util = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles]
                 memory = [self._nvml.nvmlDeviceGetMemoryInfo(h).used / 2**30 for h in handles]
-                self.samples.append((now, util, memory))
+                self.samples.append(gpu_sample(now, util, memory))
 
     def __exit__(self, *exc):
         self._stop.set()
@@ -54,6 +54,16 @@ class GPUMonitor:
         if not window:
             return []
         return [sum(column) / len(window) for column in zip(*window)]
+
+
+# A sample keeps the precision it is read at: wall time to the millisecond (one comes every 100 ms), memory to the
+# MiB, busy cores to a hundredth. With every digit of the floats, samples were half of a packed results file.
+def gpu_sample(now: float, util: list, memory_gib: list) -> list:
+    return [round(now, 3), util, [round(gib, 3) for gib in memory_gib]]
+
+
+def cpu_sample(now: float, cores: float) -> list:
+    return [round(now, 3), round(cores, 2)]
 
 
 def memory_in_use() -> list:

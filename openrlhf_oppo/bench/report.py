@@ -31,7 +31,6 @@ import gzip
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
 
@@ -642,13 +641,15 @@ def raw_files(folder: str) -> list:
 
 
 def pack(folder: str) -> None:
-    """Store a run folder as docs/results keeps it: each raw results file gzipped (the same JSON, far smaller: the
-    harness's NVML and CPU samples are most of it), and no ``table.md`` or plots, which the run's README shows
-    or ``--out`` redraws from the raw results."""
+    """Store a run folder as docs/results keeps it: each raw results file gzipped and without the benchmark's
+    indentation (the same JSON, far smaller), and no ``table.md`` or plots, which the run's README shows
+    or ``--out`` redraws from the raw results. A file packed already is packed again the same way."""
     for path in raw_files(folder):
-        if not path.endswith(".gz"):
-            with open(path, "rb") as raw, gzip.GzipFile(path + ".gz", "wb", compresslevel=9, mtime=0) as packed:
-                shutil.copyfileobj(raw, packed)
+        results = load(path)
+        packed = path.removesuffix(".gz") + ".gz"
+        with gzip.GzipFile(packed, "wb", compresslevel=9, mtime=0) as f:
+            f.write(json.dumps(results).encode())
+        if packed != path:
             os.remove(path)
     for name in ("table.md", *PLOTS):
         if os.path.exists(os.path.join(folder, name)):
