@@ -98,6 +98,10 @@ class Stream:
     """Intra-step streaming: the models that score response chunks while vLLM decodes, and how."""
 
     roles: Tuple[str, ...] = ()
+    # --oppo.intra_step as the run has it: the user's, or the plan's own 'on' where the scorers' caches fit beside
+    # sleeping engines; and whether streaming is on, which it stays where no model's scorer fits (no roles).
+    intra_step: str = "off"
+    on: bool = False
     chunk_size: Optional[int] = None  # None: chosen each step (streaming.chunking)
     interval: int = 1  # tokens a request decodes between two outputs (--oppo.stream_interval)
     cache_budget_gb: float = CACHE_BUDGET_GB
@@ -285,7 +289,7 @@ def _resolve(args) -> Plan:
         choices=tuple(placed + list(memory_plan.dropped) + carried + scored),
         upstream_changes=tuple(changes),
     )
-    plan_checks.check_plan(args, opts, plan, intra_step, _streams(intra_step, sync))
+    plan_checks.check_plan(args, opts, plan)
     return plan
 
 
@@ -465,6 +469,8 @@ def _stream(args, opts, sync: Sync, intra_step: str, cache_budget_gb: float) -> 
     smallest_chunk = CHUNK_CANDIDATES[0] if opts.chunk_size == "auto" else opts.chunk_size
     return Stream(
         roles=roles,
+        intra_step=intra_step,
+        on=_streams(intra_step, sync),
         chunk_size=None if opts.chunk_size == "auto" else opts.chunk_size,
         interval=min(STREAM_INTERVAL, smallest_chunk) if opts.stream_interval == "auto" else opts.stream_interval,
         cache_budget_gb=cache_budget_gb,

@@ -87,10 +87,8 @@ def check_frozen_beside_vllm(args, opts) -> None:
 # -- the resolved plan ------------------------------------------------------------------------------------------
 
 
-def check_plan(args, opts, plan, intra_step: str, streams: bool) -> None:
-    """``plan``: the resolved sub-plans; ``intra_step``: ``--oppo.intra_step`` as the plan has it (its own 'on'
-    where the memory plan streams beside sleeping engines); ``streams``: intra-step streaming is on for the run
-    (even where no model's scorer fits)."""
+def check_plan(args, opts, plan) -> None:
+    """The resolved ``plan`` against the flags it was resolved from."""
     if opts.colocate_models and opts.frozen_scorers_on == "auto" and plan.stream.frozen_scorers_on == "models":
         _check_on_the_actors_gpus(args, ("reward", "ref"))
     if plan.memory.strict and not plan.memory.fits:
@@ -98,8 +96,8 @@ def check_plan(args, opts, plan, intra_step: str, streams: bool) -> None:
             f"this run does not fit the GPU's {plan.memory.estimate.gpu_gib:.1f} GiB: {plan.memory.warning()}"
         )
     _check_lag(opts, plan)
-    _check_combination(args, opts, plan, streams)
-    _check_streaming(args, opts, plan, intra_step)
+    _check_combination(args, opts, plan)
+    _check_streaming(args, opts, plan)
     _check_overcommit(args, opts, plan)
     _check_stream_interval(opts)
 
@@ -132,7 +130,7 @@ def _check_lag(opts, plan) -> None:
         )
 
 
-def _check_combination(args, opts, plan, streams: bool) -> None:
+def _check_combination(args, opts, plan) -> None:
     """What OPPO does not run, and mechanisms whose conditions the run does not meet."""
     carry, stream, sync = plan.carry, plan.stream, plan.sync
     if not args.vllm.num_engines:
@@ -142,7 +140,7 @@ def _check_combination(args, opts, plan, streams: bool) -> None:
             "--oppo.enable with --train.async_enable is not supported: OPPO's inter-step overlap takes the place "
             "of the async trainer. Use one or the other (the benchmark runs both side by side)."
         )
-    if streams:
+    if stream.on:
         unsupported = {
             "--ds.ring_attn_size > 1": args.ds.ring_attn_size > 1,
             "--ds.tensor_parallel_size > 1": args.ds.tensor_parallel_size > 1,
@@ -226,9 +224,9 @@ def _unused(names, what: str, instead: str) -> OPPOConfigError:
     return OPPOConfigError(f"{flags} {verb} {what}: drop {it}, or {instead}.")
 
 
-def _check_streaming(args, opts, plan, intra_step: str) -> None:
+def _check_streaming(args, opts, plan) -> None:
     """Streaming settings that would quietly undo what was asked for."""
-    roles = plan.stream.roles
+    roles, intra_step = plan.stream.roles, plan.stream.intra_step
     if "policy_logprobs" in opts.given and "policy" not in roles:
         raise _unused(
             ["policy_logprobs"],
