@@ -32,6 +32,7 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
             "--batch", str(BATCH), "--n_samples", str(N_SAMPLES), "--steps", str(STEPS), "--overcommit", "1",
             "--warmup_target", "0.2", "--warmup_max_steps", "600", "--digits_mean", "1.5", "--digits_high", "2",
             "--target", "0.05", "--eval_every", "4", "--credit", "steps", "--out", str(out),
+            "--oppo_extra=--oppo.stream_interval", "--oppo_extra=2", "--oppo_tag=-interval2",
         ]
     )  # fmt: skip
     runner, threads = CPURunner(), torch.get_num_threads()
@@ -50,8 +51,15 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
     )  # fmt: skip
     assert again == warm
 
+    # --oppo_extra reached the OPPO system alone, whose name and system carry --oppo_tag.
+    assert sorted(results["systems"]) == ["oppo-both-interval2-seed0", "upstream-sync-seed0"]
+    assert results["systems"]["oppo-both-interval2-seed0"]["system"] == "oppo-both-interval2"
+    flags = {name: " ".join(result["flags"]) for name, result in results["systems"].items()}
+    assert "--oppo.stream_interval 2" in flags["oppo-both-interval2-seed0"]
+    assert "--oppo.stream_interval" not in flags["upstream-sync-seed0"]
+
     # Every prompt of the run's dataset was trained once, scored by the rule reward (there is no reward model).
-    for name in ("upstream-sync-seed0", "oppo-both-seed0"):
+    for name in ("upstream-sync-seed0", "oppo-both-interval2-seed0"):
         steps = results["systems"][name]["steps"]
         assert len(steps) == STEPS + 2
         assert sum(s["rollout/num_samples"] for s in steps) == (STEPS + 2) * BATCH * N_SAMPLES
@@ -85,13 +93,13 @@ def test_learning_benchmark_end_to_end(ray_session, tmp_path):
     # --data.max_samples caps the eval set too), greedy, one response each: with the weights as the warm-up left
     # them (the CPU stand-in trains nothing), the same right answers in both.
     evaluations = []
-    for name in ("upstream-sync-seed0", "oppo-both-seed0"):
+    for name in ("upstream-sync-seed0", "oppo-both-interval2-seed0"):
         steps = results["systems"][name]["steps"]
         assert [s["step"] for s in steps if learning_report.HELDOUT in s] == [STEPS + 2]
         assert steps[-1]["eval/eval_num_samples"] == (STEPS + 2) * BATCH
         evaluations.append(steps[-1][learning_report.HELDOUT])
     assert evaluations[0] == evaluations[1] > 0
-    oppo = results["systems"]["oppo-both-seed0"]["steps"]
+    oppo = results["systems"]["oppo-both-interval2-seed0"]["steps"]
     # The policy and reference streamed: a micro-batch fell back to the model's forward only for a response cut at
     # the length limit (vLLM cannot score a sequence that fills its max_model_len; test_streaming_pipeline.py). The
     # warm-up's model differs from run to run, and so do its responses: some runs cut one.

@@ -105,6 +105,15 @@ def parse(argv=None):
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per run before it is stopped")
     parser.add_argument("--extra", action="append", default=[], help="a train_ppo_ray flag for every run (repeat)")
     parser.add_argument(
+        "--oppo_extra", action="append", default=[], help="a train_ppo_ray flag for the OPPO systems only (repeat)"
+    )
+    parser.add_argument(
+        "--oppo_tag",
+        default="",
+        help="appended to the OPPO systems' names: what --oppo_extra changes, so that the report keeps their runs "
+        "apart from the same system's without it (--oppo_tag=-max-lag-1)",
+    )
+    parser.add_argument(
         "--upstream_patches", action="store_true", help="run every system on OpenRLHF with patches/openrlhf applied"
     )
     parser.add_argument(
@@ -223,10 +232,11 @@ def run(args, runner, header: dict, warmup_options=None) -> dict:
         folders["WARMUP"] = args.warmup_from
     for seed in seeds:  # seed by seed, so that a run cut short has every system of its first seeds
         for system in tqdm(systems, desc=f"seed {seed}"):
-            name = f"{system}-{'alone' if args.speed_alone else 'seed'}{seed}"
+            label = system + (args.oppo_tag if system.startswith("oppo") else "")
+            name = f"{label}-{'alone' if args.speed_alone else 'seed'}{seed}"
             result = runner(name, run_flags(workdir, args.scratch, name, system, seed, args, warm_dir), args)
             results["systems"][name] = dict(
-                result, system=system, seed=seed, warmup_accuracy=warm["accuracy"], warmup_sha256=checkpoint
+                result, system=label, seed=seed, warmup_accuracy=warm["accuracy"], warmup_sha256=checkpoint
             )
             if args.speed_alone:  # step times, not a curve (``learning_report.alone_step_seconds``)
                 results["systems"][name]["alone"] = True
@@ -290,6 +300,7 @@ def run_flags(workdir: str, out: str, name: str, system: str, seed: int, args, w
         + eval_flags(workdir, args.eval_every)
         + system_flags(system, args.placement, args.overcommit, ds_sleep=args.sleep == "on", vllm_sleep=args.sleep == "on")
         + args.extra
+        + (args.oppo_extra if system.startswith("oppo") else [])
     )  # fmt: skip
 
 
