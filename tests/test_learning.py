@@ -601,8 +601,16 @@ def test_the_same_curve_report_comes_from_the_raw_results_of_runs_side_by_side(t
     oppo = [s for steps in runs["oppo"].values() for s in steps]
     assert list(rows) == ["oppo"]
     assert rows["oppo"][0] == f"{sum(s['oppo/policy_lag_mean'] for s in oppo) / len(oppo):.2f}"
+    # The lag of the steps after one that carried no group: what no carried group made.
+    after_none = [
+        step["oppo/policy_lag_mean"]
+        for steps in runs["oppo"].values()
+        for before, step in zip(steps, steps[1:])
+        if before["oppo/carried_groups"] == 0
+    ]
+    assert rows["oppo"][2] == (f"{statistics.mean(after_none):.2f}" if after_none else "-")
     carrying = sum(s["oppo/carried_groups"] > 0 for s in oppo) / len(oppo)
-    assert rows["oppo"][2] == f"{carrying:.0%}"
+    assert rows["oppo"][3] == f"{carrying:.0%}"
 
     # The trained responses by length, in both systems: each bucket's share and reward over every step.
     rows = _rows(lines, next(line for line in lines if line.startswith("| system | mean length |")))
@@ -621,6 +629,26 @@ def test_the_same_curve_report_comes_from_the_raw_results_of_runs_side_by_side(t
     for plot in ("accuracy-by-step.png", "accuracy-by-time.png", "reward-by-step.png", "reward-by-time.png"):
         assert (tmp_path / plot).stat().st_size > 0
     assert (tmp_path / "lag-by-step.png").stat().st_size > 0
+
+
+def test_the_lag_after_a_step_that_carried_no_group_is_what_the_top_up_made():
+    """On one GPU with vLLM awake the flag swap starts the next step's prompts beside training: after a step that
+    carried no group into the next, every sample trained is one version behind, so the lag of those steps is what
+    the top-up makes, not the carried groups (the lag-0 control's is 0)."""
+    folder = os.path.join(os.path.dirname(__file__), "..", "docs", "results")
+    results = report.run_results(os.path.join(folder, "learning-1gpu-small-addition-digits-sigma1.6-lag-0-control"))
+    runs = learning_report.runs_by_system(results)
+    lines = learning_report.lag_table(runs)
+    rows = _rows(lines, next(line for line in lines if line.startswith("| system | lag, mean |")))
+    after_none = [
+        step["oppo/policy_lag_mean"]
+        for steps in runs["oppo"].values()
+        for before, step in zip(steps, steps[1:])
+        if before["oppo/carried_groups"] == 0
+    ]
+    assert len(after_none) > len(runs["oppo"]) * 40  # most of the 80 steps of each seed
+    assert rows["oppo"][2] == f"{statistics.mean(after_none):.2f}" == "1.00"
+    assert rows["oppo-intra"][2] == "0.00" and rows["oppo-intra"][3] == "0%"
 
 
 def test_each_seeds_mean_accuracy_and_the_phases_of_the_steps_alone_come_from_the_raw_steps():

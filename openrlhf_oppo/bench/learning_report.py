@@ -398,23 +398,31 @@ def logs_lag(runs: dict) -> bool:
 def lag_table(runs: dict, plotted: bool = True) -> list:
     """Per system, how far behind its trained samples were and how often groups were carried, means over its
     seeds' steps: the policy lag (mean, and the most of any step), the steps that carried groups into the next, the
-    groups carried a step and the carried groups trained. ``plotted``: the lag per step is drawn too."""
+    groups carried a step and the carried groups trained. ``plotted``: the lag per step is drawn too. The lag of the
+    steps after one that carried nothing is the lag no carried group made: the prompts started before the sync."""
     lines = [
         "Policy lag and carried groups per step, over every step of every seed"
         + (" (per step: lag-by-step.png)." if plotted else "."),
         "",
-        "| system | lag, mean | lag, most | steps carrying groups | groups carried a step | carried groups trained"
-        " a step |",
-        "|---|---|---|---|---|---|",
+        "| system | lag, mean | lag, most | lag after a step carrying none | steps carrying groups | groups carried a"
+        " step | carried groups trained a step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for system, seeds in runs.items():
         steps = [s for per_seed in seeds.values() for s in per_seed]
         if not any(LAG in s for s in steps):
             continue
         carried = [s.get("oppo/carried_groups", 0.0) for s in steps]
+        uncarried = [
+            step.get(LAG, 0.0)
+            for per_seed in seeds.values()
+            for before, step in zip(per_seed, per_seed[1:])
+            if not before.get("oppo/carried_groups", 0.0)
+        ]
         lines.append(
             f"| {system} | {statistics.mean(s.get(LAG, 0.0) for s in steps):.2f}"
             f" | {max(s.get('oppo/policy_lag_max', 0.0) for s in steps):.0f}"
+            f" | {_or_dash(statistics.mean(uncarried) if uncarried else None, '.2f')}"
             f" | {sum(c > 0 for c in carried) / len(carried):.0%} | {statistics.mean(carried):.1f}"
             f" | {statistics.mean(s.get('oppo/deferred_groups_trained', 0.0) for s in steps):.1f} |"
         )
