@@ -37,6 +37,7 @@ from openrlhf_oppo.bench.systems import (
     COLOCATED_ONLY,
     SPLIT_ONLY,
     SYSTEMS,
+    add_oppo_variant_arguments,
     common_flags,
     refuse_what_the_placement_cannot_run,
     system_flags,
@@ -82,20 +83,12 @@ def parse():
     parser.add_argument("--cache_budget_gb", type=float, default=2.0)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per system before it is stopped")
     parser.add_argument("--extra", action="append", default=[], help="a train_ppo_ray flag for every system (repeat)")
-    parser.add_argument(
-        "--oppo_extra", action="append", default=[], help="a train_ppo_ray flag for the OPPO systems only (repeat)"
-    )
+    add_oppo_variant_arguments(parser)
     parser.add_argument(
         "--tag",
         default="",
         help="appended to the system names in the results (a seed, say); one that starts with a dash goes after "
         "an equals sign: --tag=-seed1",
-    )
-    parser.add_argument(
-        "--oppo_tag",
-        default="",
-        help="appended after --tag to the OPPO systems' names only: what --oppo_extra changes, which the upstream "
-        "systems of the same run do not get (--oppo_tag=-chunk32)",
     )
     parser.add_argument(
         "--upstream_patches",

@@ -31,7 +31,13 @@ from tqdm import tqdm
 from openrlhf_oppo import tiny
 from openrlhf_oppo.bench import addition, report, warmup
 from openrlhf_oppo.bench.patched_upstream import make_patched_copy, patches
-from openrlhf_oppo.bench.systems import SYSTEMS, cluster_flags, refuse_what_the_placement_cannot_run, system_flags
+from openrlhf_oppo.bench.systems import (
+    SYSTEMS,
+    add_oppo_variant_arguments,
+    cluster_flags,
+    refuse_what_the_placement_cannot_run,
+    system_flags,
+)
 
 TASKS = ("addition",)
 LEARNING_SYSTEMS = dict(
@@ -104,15 +110,7 @@ def parse(argv=None):
     parser.add_argument("--cache_budget_gb", type=float, default=2.0)
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per run before it is stopped")
     parser.add_argument("--extra", action="append", default=[], help="a train_ppo_ray flag for every run (repeat)")
-    parser.add_argument(
-        "--oppo_extra", action="append", default=[], help="a train_ppo_ray flag for the OPPO systems only (repeat)"
-    )
-    parser.add_argument(
-        "--oppo_tag",
-        default="",
-        help="appended to the OPPO systems' names: what --oppo_extra changes, so that the report keeps their runs "
-        "apart from the same system's without it (--oppo_tag=-max-lag-1)",
-    )
+    add_oppo_variant_arguments(parser)
     parser.add_argument(
         "--upstream_patches", action="store_true", help="run every system on OpenRLHF with patches/openrlhf applied"
     )

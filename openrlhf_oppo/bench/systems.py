@@ -100,6 +100,21 @@ def system_flags(system: str, placement: str, overcommit: int, ds_sleep: bool = 
     return flags
 
 
+def add_oppo_variant_arguments(parser) -> None:
+    """``--oppo_extra`` and ``--oppo_tag`` of both benchmarks: OPPO systems given more flags, under names of their
+    own, beside upstream systems that do not get them."""
+    parser.add_argument(
+        "--oppo_extra", action="append", default=[], help="a train_ppo_ray flag for the OPPO systems only (repeat)"
+    )
+    parser.add_argument(
+        "--oppo_tag",
+        default="",
+        help="appended to the OPPO systems' names only (after --tag in the speed benchmark): what --oppo_extra "
+        "changes, which the upstream systems of the same run do not get; one that starts with a dash goes after an "
+        "equals sign: --oppo_tag=-chunk32",
+    )
+
+
 def _without(flags: list, flag: str) -> list:
     return [f for f in flags if f != flag]
 
