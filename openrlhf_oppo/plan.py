@@ -418,7 +418,7 @@ def _carry(args, opts, sync: Sync):
     if opts.overcommit == "auto":
         initial = min(maximum, max(opts.overcommit_min, batch))
         choices.append(
-            Choice("overcommit", f"{initial}..{maximum}", f"max lag {lag}: groups carried up to {defer} steps")
+            Choice("overcommit", f"{initial}..{maximum}", f"max lag {lag}: groups carried up to {_steps(defer)}")
         )
     else:
         initial = maximum = opts.overcommit
@@ -433,6 +433,10 @@ def _carry(args, opts, sync: Sync):
         maximum=maximum,
     )
     return Carry(lag, overcommit, defer, top_up, opts.carry_kv, decode), choices
+
+
+def _steps(count: int) -> str:
+    return f"{count} step" + ("" if count == 1 else "s")
 
 
 def _delta_max(batch: int, defer: int) -> int:
@@ -685,7 +689,7 @@ def describe(plan: Plan) -> str:
         delta = carry.overcommit
         span = f"{delta.initial}..{delta.maximum}" if delta.auto else str(delta.initial)
         parts.append(
-            f"max lag {carry.max_lag}: Delta {span}, carried up to {carry.max_defer_steps} steps, carry_kv "
+            f"max lag {carry.max_lag}: Delta {span}, carried up to {_steps(carry.max_defer_steps)}, carry_kv "
             f"{carry.kv}, top-up at {carry.top_up.replace('_', ' ')}"
             + {
                 "after_fit": ", the critic's catch-up after its fit",

@@ -111,7 +111,8 @@ def test_the_lag_bound_sets_the_deferral_limit_and_delta(models, lag, top_up, de
     plan = resolve(parse_args(argv + ["--oppo.enable", "--oppo.max_lag", str(lag), "--oppo.memory_flags", "as_given"]))
     assert (plan.carry.top_up, plan.carry.max_defer_steps, plan.carry.overcommit.maximum) == (top_up, defer, delta_max)
     assert plan.carry.max_defer_steps + (plan.carry.top_up == "step_end") == lag
-    assert f"max lag {lag}" in describe(plan)
+    line = describe(plan)
+    assert f"max lag {lag}: " in line and f"carried up to {defer} step{'s' * (defer > 1)}, " in line
 
 
 def test_a_lag_of_zero_turns_inter_step_overlap_off(models):
