@@ -99,9 +99,8 @@ class Stream:
 
     roles: Tuple[str, ...] = ()
     # --oppo.intra_step as the run has it: the user's, or the plan's own 'on' where the scorers' caches fit beside
-    # sleeping engines; and whether streaming is on, which it stays where no model's scorer fits (no roles).
+    # sleeping engines (``Plan.streams``: whether that streams).
     intra_step: str = "off"
-    on: bool = False
     chunk_size: Optional[int] = None  # None: chosen each step (streaming.chunking)
     interval: int = 1  # tokens a request decodes between two outputs (--oppo.stream_interval)
     cache_budget_gb: float = CACHE_BUDGET_GB
@@ -228,6 +227,11 @@ class Plan:
     @property
     def resumes_for_training(self) -> bool:
         return self.pauses_after_generation and self.carry.colocated_decode == "during_training"
+
+    @property
+    def streams(self) -> bool:
+        """Intra-step streaming is on for the run, which it stays where no model's scorer fits (no ``stream.roles``)."""
+        return _streams(self.stream.intra_step, self.sync)
 
     @property
     def top_up_while_paused(self) -> bool:
@@ -474,7 +478,6 @@ def _stream(args, opts, sync: Sync, intra_step: str, cache_budget_gb: float) -> 
     return Stream(
         roles=roles,
         intra_step=intra_step,
-        on=_streams(intra_step, sync),
         chunk_size=None if opts.chunk_size == "auto" else opts.chunk_size,
         interval=min(STREAM_INTERVAL, smallest_chunk) if opts.stream_interval == "auto" else opts.stream_interval,
         cache_budget_gb=cache_budget_gb,

@@ -140,7 +140,7 @@ def _check_combination(args, opts, plan) -> None:
             "--oppo.enable with --train.async_enable is not supported: OPPO's inter-step overlap takes the place "
             "of the async trainer. Use one or the other (the benchmark runs both side by side)."
         )
-    if stream.on:
+    if plan.streams:
         unsupported = {
             "--ds.ring_attn_size > 1": args.ds.ring_attn_size > 1,
             "--ds.tensor_parallel_size > 1": args.ds.tensor_parallel_size > 1,
